@@ -1,0 +1,209 @@
+"""Typed rows of the metrics tables, one pydantic model per table.
+
+The models are the single source of the schemas: `table_schema` derives the columns, and
+each model names its table, primary key and partition column, so the DuckDB sink today
+and a BigQuery sink later create the same tables from the same code.
+
+NaN/Inf policy: a non-finite float metric is stored as NULL, never as NaN, and the row's
+`nonfinite` flag says that this happened (a diverged step stays visible as a fact rather
+than a poisoned average). RunRow has no flag: its summary fields simply become NULL.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import typing
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, ClassVar, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+
+DUCKDB_TYPES: dict[type, str] = {
+    str: "VARCHAR",
+    bool: "BOOLEAN",
+    int: "BIGINT",
+    float: "DOUBLE",
+    datetime: "TIMESTAMPTZ",
+}
+
+
+def is_nonfinite(value: Any) -> bool:
+    """True for NaN and ±Inf, as numbers (numpy scalars included) or as strings like "nan"."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return not math.isfinite(float(value))
+    if isinstance(value, str):
+        try:
+            return not math.isfinite(float(value))
+        except ValueError:
+            return False  # not a number at all: pydantic's own validation reports it
+    return False
+
+
+class TableRow(BaseModel):
+    """Base of the row models: validation policy plus the table's name, key and partition."""
+
+    # allow_inf_nan=False is the backstop: a non-finite float that escaped the validators
+    # below fails validation instead of reaching a table.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    table: ClassVar[str]
+    primary_key: ClassVar[tuple[str, ...]]
+    partition_field: ClassVar[str]  # the day-partition column in BigQuery
+    metric_fields: ClassVar[tuple[str, ...]] = ()
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _nonfinite_to_none(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in cls.metric_fields and is_nonfinite(value):
+            return None
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utc(cls, value: Any) -> Any:
+        if isinstance(value, datetime):
+            # A naive time is ambiguous; guessing its zone would shift rows silently.
+            if value.tzinfo is None or value.utcoffset() is None:
+                raise ValueError("datetime must be timezone-aware")
+            return value.astimezone(UTC)
+        return value
+
+
+class _FlaggedRow(TableRow):
+    """A row with a `nonfinite: bool` field (declared by each subclass, so that it comes
+    after the metrics in column order), set when a metric was NaN/Inf and stored as NULL."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flag_nonfinite(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(is_nonfinite(data.get(f)) for f in cls.metric_fields):
+            data = {**data, "nonfinite": True}
+        return data
+
+
+class RunRow(TableRow):
+    """One row per run: identity, config, outcome and summary numbers."""
+
+    table: ClassVar[str] = "runs"
+    primary_key: ClassVar[tuple[str, ...]] = ("run_id",)
+    partition_field: ClassVar[str] = "started_at"
+    metric_fields: ClassVar[tuple[str, ...]] = (
+        "train_loss_first",
+        "train_loss_last",
+        "eval_loss",
+        "eval_bits_per_byte",
+    )
+
+    run_id: str
+    run_name: str
+    flow_run_id: str | None = None
+    status: typing.Literal["completed", "failed"]
+    config_hash: str
+    config_json: str
+    dataset_fingerprint: str
+    started_at: datetime
+    finished_at: datetime | None = None
+    final_step: int | None = None
+    train_loss_first: float | None = None
+    train_loss_last: float | None = None
+    eval_loss: float | None = None
+    eval_bits_per_byte: float | None = None
+    params_sha256: str | None = None
+    num_params: int | None = None
+    run_dir: str
+
+
+class StepMetricRow(_FlaggedRow):
+    """One training step of one run."""
+
+    table: ClassVar[str] = "step_metrics"
+    primary_key: ClassVar[tuple[str, ...]] = ("run_id", "step")
+    partition_field: ClassVar[str] = "recorded_at"
+    metric_fields: ClassVar[tuple[str, ...]] = (
+        "loss",
+        "learning_rate",
+        "grad_norm",
+        "step_time_s",
+        "tokens_per_s",
+    )
+
+    run_id: str
+    step: int
+    loss: float | None = None
+    learning_rate: float | None = None
+    grad_norm: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    nonfinite: bool = False
+    recorded_at: datetime
+
+
+class EvalMetricRow(_FlaggedRow):
+    """One evaluation of one run's checkpoint at `step` on `split`."""
+
+    table: ClassVar[str] = "eval_metrics"
+    primary_key: ClassVar[tuple[str, ...]] = ("run_id", "step", "split")
+    partition_field: ClassVar[str] = "recorded_at"
+    metric_fields: ClassVar[tuple[str, ...]] = ("loss", "bits_per_byte")
+
+    run_id: str
+    step: int
+    split: str = "eval"
+    loss: float | None = None
+    bits_per_byte: float | None = None
+    tokens: int
+    nonfinite: bool = False
+    recorded_at: datetime
+
+
+ROW_MODELS: tuple[type[TableRow], ...] = (RunRow, StepMetricRow, EvalMetricRow)
+
+
+class Column(NamedTuple):
+    """One column of a table: (name, DuckDB type, nullable)."""
+
+    name: str
+    type: str
+    nullable: bool
+
+
+def table_schema(model: type[BaseModel]) -> list[Column]:
+    """The columns of `model`'s table, in field order, derived from its annotations.
+
+    Args:
+        model: a row model class.
+
+    Returns:
+        (name, type, nullable) per field: str→VARCHAR, int→BIGINT, float→DOUBLE,
+        bool→BOOLEAN, datetime→TIMESTAMPTZ, Literal[...] of strings→VARCHAR; nullable
+        when the annotation admits None.
+
+    Raises:
+        TypeError: on a field type with no column type.
+    """
+    columns = []
+    for name, info in model.model_fields.items():
+        args = typing.get_args(info.annotation)
+        is_union = typing.get_origin(info.annotation) in (typing.Union, types.UnionType)
+        base = [a for a in args if a is not type(None)] if is_union else [info.annotation]
+        nullable = is_union and len(base) < len(args)
+        if len(base) == 1 and typing.get_origin(base[0]) is typing.Literal:
+            base = list({type(v) for v in typing.get_args(base[0])})
+        if len(base) != 1 or base[0] not in DUCKDB_TYPES:
+            raise TypeError(f"{model.__name__}.{name}: no column type for {info.annotation!r}")
+        columns.append(Column(name, DUCKDB_TYPES[base[0]], nullable))
+    return columns
+
+
+@dataclass(frozen=True)
+class LandResult:
+    """Rows written by one landing (after de-duplication), per table."""
+
+    runs: int
+    steps: int
+    evals: int

@@ -1,0 +1,345 @@
+"""The local slice: the real workload as its own process group over virtual CPU devices.
+
+Each slice is recorded in `{registry_dir}/{name}.json` so other processes (the flow's
+hooks, the reaper, a CLI) can see and delete it; the provider instance that created a
+slice also keeps its `Popen`, which is the only way to learn the exit code.
+
+Process liveness is read from /proc where it exists: a killed process whose parent does
+not reap it stays a zombie, `os.killpg(pgid, 0)` still succeeds on it, and a delete that
+waited for that would hang. Containers whose PID 1 never reaps orphans make this common.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from infra.slices.base import (
+    ProvisioningError,
+    SliceError,
+    SliceSpec,
+    SliceState,
+    SliceStatus,
+    validate_name,
+)
+
+_POLL_S = 0.02
+# After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
+_KILL_WAIT_S = 10.0
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+@dataclass
+class _Owned:
+    proc: subprocess.Popen
+    record: dict[str, Any]
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/{pid}/stat from field 3 (state) on; None if absent or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; it ends at the last ')'.
+    return raw.rpartition(")")[2].split()
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Boot-relative start time of `pid`, which tells a process from a later one reusing its id."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def live_members(pgid: int) -> list[int] | None:
+    """Pids of the non-zombie processes in process group `pgid`.
+
+    Args:
+        pgid: process group id.
+
+    Returns:
+        The pids (empty when the group is gone or only zombies remain), or None when /proc
+        is not available and the caller must fall back to `os.killpg(pgid, 0)`.
+    """
+    if not os.path.isdir("/proc/self"):
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZX":
+                members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    members = live_members(pgid)
+    if members is not None:
+        return bool(members)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's group: the id was reused, ours is gone
+        return False
+    return True
+
+
+def _is_our_group(record: dict[str, Any]) -> bool:
+    """False if the leader's pid now belongs to a different process (so our group ended).
+
+    POSIX never reuses a pid while a process group of that id has members, so when no
+    process holds the leader's pid, any members left are still ours.
+    """
+    recorded, current = record.get("start_ticks"), _start_ticks(record["pgid"])
+    return recorded is None or current is None or recorded == current
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _wait_gone(pgid: int, proc: subprocess.Popen | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None:
+            proc.poll()  # reap our child, or it lingers as a zombie of this process
+        if not _group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+
+
+def workload_env(spec: SliceSpec, host: int = 0) -> dict[str, str]:
+    """The environment of the workload process for `host` of the slice.
+
+    Args:
+        spec: the slice spec; its env overrides this process's environment.
+        host: host index. Multi-host slices will add JAX_PROCESS_ID, JAX_NUM_PROCESSES and
+            the coordinator address here, one process per host, all in one process group.
+
+    Returns:
+        os.environ + spec.env, with the virtual device count merged into XLA_FLAGS (any
+        earlier device-count flag replaced, other flags kept) and JAX_PLATFORMS=cpu.
+    """
+    del host  # only host 0 exists until multi-host lands
+    env = {**os.environ, **spec.env}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
+    flags.append(f"{_DEVICE_FLAG}={spec.devices // spec.hosts}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+class LocalSliceProvider:
+    """SliceProvider running each slice's command as a process group on this machine."""
+
+    def __init__(self, registry_dir: str | os.PathLike[str]) -> None:
+        """Use (and create) `registry_dir` as the registry of slices, one JSON file each."""
+        self.registry_dir = Path(registry_dir)
+        self.registry_dir.mkdir(parents=True, exist_ok=True)
+        self._owned: dict[str, _Owned] = {}
+        self._lock = threading.Lock()
+
+    def create(self, spec: SliceSpec) -> SliceStatus:
+        """Start `spec.command` as a new process group; READY once it is running.
+
+        Raises:
+            SliceError: hosts != 1, or a live slice of that name exists.
+            ProvisioningError: the command could not be started.
+        """
+        if spec.hosts != 1:
+            raise SliceError(
+                f"slice {spec.name!r}: the local provider runs one host for now "
+                f"(hosts={spec.hosts}); multi-host on one machine is not implemented yet"
+            )
+        with self._registry_lock():
+            old, old_proc = self._lookup(spec.name)
+            if old is not None:
+                if self._state(old, old_proc)[0] is SliceState.READY:
+                    raise SliceError(
+                        f"slice {spec.name!r} already exists and is running (pgid "
+                        f"{old['pgid']}); delete it first"
+                    )
+                # Its leader exited, but children may linger in the group: finish them off.
+                self._kill_group(spec.name, old, old_proc, grace_s=0.0)
+            log_path = Path(spec.log_path)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                # Append: a re-provisioned attempt keeps the log of the one before it.
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(
+                        spec.command,
+                        start_new_session=True,  # own process group: delete kills it whole
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=workload_env(spec),
+                    )
+            except OSError as e:
+                raise ProvisioningError(
+                    f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
+                ) from e
+            record = {
+                "name": spec.name,
+                "pid": proc.pid,
+                "pgid": proc.pid,  # a new session's leader: pgid == pid
+                "start_ticks": _start_ticks(proc.pid),
+                "labels": spec.labels,
+                "devices": spec.devices,
+                "hosts": spec.hosts,
+                "command": spec.command,
+                "created_at": datetime.now(UTC).isoformat(),
+                "log_path": str(log_path),
+            }
+            try:
+                self._write_record(record)
+            except BaseException:
+                # An unrecorded process is one nobody could find to delete: never leave one.
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+            with self._lock:
+                self._owned[spec.name] = _Owned(proc, record)
+        return SliceStatus(spec.name, SliceState.READY, None, dict(spec.labels))
+
+    def status(self, name: str) -> SliceStatus:
+        """READY while the group runs, TERMINATED after (exit code if we own it), else NOT_FOUND."""
+        record, proc = self._lookup(validate_name(name))
+        if record is None:
+            return SliceStatus(name, SliceState.NOT_FOUND)
+        state, code = self._state(record, proc)
+        return SliceStatus(name, state, code, dict(record["labels"]))
+
+    def delete(self, name: str, grace_s: float = 5.0) -> bool:
+        """SIGTERM the group, SIGKILL it after `grace_s`, then drop the record.
+
+        Returns:
+            True if a slice was deleted, False if there was none (never raises for that).
+
+        Raises:
+            SliceError: processes of the group survived SIGKILL (the record is kept, so a
+                later delete or the reaper tries again).
+        """
+        record, proc = self._lookup(validate_name(name))
+        if record is None:
+            return False
+        self._kill_group(name, record, proc, grace_s)
+        with self._registry_lock():
+            current = self._read_record(name)
+            # Only our incarnation's record: someone may have re-created the name meanwhile.
+            if current is not None and current.get("pid") == record["pid"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._path(name))
+        with self._lock:
+            owned = self._owned.get(name)
+            if owned is not None and owned.proc.pid == record["pid"]:
+                del self._owned[name]
+        return True
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
+        """Statuses of the registered slices whose labels include every pair of `labels`."""
+        with self._lock:
+            names = set(self._owned)
+        names.update(p.stem for p in self.registry_dir.glob("*.json"))
+        out = []
+        for name in sorted(names):
+            try:
+                status = self.status(name)
+            except ValueError:  # a stray file whose name is not a slice name
+                continue
+            wanted = (labels or {}).items()
+            if status.state is not SliceState.NOT_FOUND and wanted <= status.labels.items():
+                out.append(status)
+        return out
+
+    # -- internals --------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
+        return self.registry_dir / f"{name}.json"
+
+    @contextlib.contextmanager
+    def _registry_lock(self) -> Iterator[None]:
+        # flock, not a threading lock: creators in other processes must serialise too.
+        with open(self.registry_dir / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _read_record(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self._path(name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        # Write-then-rename: a reader sees the old record or the new one, never half of one.
+        tmp = self.registry_dir / f".{record['name']}.{uuid.uuid4().hex}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+        os.replace(tmp, self._path(record["name"]))
+
+    def _lookup(self, name: str) -> tuple[dict[str, Any] | None, subprocess.Popen | None]:
+        """The slice's record and, if this instance started that incarnation, its Popen."""
+        record = self._read_record(name)
+        with self._lock:
+            owned = self._owned.get(name)
+            if owned is None:
+                return record, None
+            if record is not None and record.get("pid") != owned.proc.pid:
+                owned.proc.poll()  # an older incarnation of ours: reap it and forget it
+                if owned.proc.returncode is not None:
+                    del self._owned[name]
+                return record, None
+            if record is None:
+                if owned.proc.poll() is not None:
+                    del self._owned[name]  # deleted elsewhere (or by hand) and exited
+                    return None, None
+                # Still running without a record: stay visible so teardown can kill it.
+                return owned.record, owned.proc
+            return record, owned.proc
+
+    @staticmethod
+    def _kill_group(
+        name: str, record: dict[str, Any], proc: subprocess.Popen | None, grace_s: float
+    ) -> None:
+        pgid = record["pgid"]
+        if not _is_our_group(record):
+            return  # the pid now belongs to someone else: our group ended long ago
+        _signal_group(pgid, signal.SIGTERM)
+        # The workload may trap SIGTERM to save a checkpoint, or ignore it: SIGKILL follows.
+        if not _wait_gone(pgid, proc, grace_s):
+            _signal_group(pgid, signal.SIGKILL)
+            if not _wait_gone(pgid, proc, _KILL_WAIT_S):
+                raise SliceError(
+                    f"slice {name!r}: processes {live_members(pgid)} of group {pgid} "
+                    f"survived SIGKILL for {_KILL_WAIT_S}s"
+                )
+        if proc is not None:
+            proc.wait()  # the leader is our child: reap it so no zombie of ours remains
+
+    @staticmethod
+    def _state(
+        record: dict[str, Any], proc: subprocess.Popen | None
+    ) -> tuple[SliceState, int | None]:
+        if proc is not None:
+            code = proc.poll()
+            return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)
+        alive = _is_our_group(record) and _group_alive(record["pgid"])
+        return (SliceState.READY, None) if alive else (SliceState.TERMINATED, None)

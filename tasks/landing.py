@@ -1,0 +1,155 @@
+"""Land a run's metrics in the sink and publish its summary artifact."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
+from tasks.plan import RunPlan
+from workloads.checkpoint import VerifiedCheckpoint
+from workloads.config import PipelineConfig
+from workloads.evaluate import EvalResult
+from workloads.rundir import RunDir
+
+
+def _ts(seconds: float | None) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC) if seconds else datetime.now(UTC)
+
+
+def build_rows(
+    config: PipelineConfig,
+    plan: RunPlan,
+    started_at: datetime,
+    verified: VerifiedCheckpoint | None,
+    result: EvalResult | None,
+    error: str | None = None,
+) -> tuple[RunRow, list[StepMetricRow], list[EvalMetricRow]]:
+    """Rows for the `runs`, `step_metrics` and `eval_metrics` tables from the run directory."""
+    metrics = RunDir(plan.run_dir).read_metrics()
+    steps = [
+        StepMetricRow(
+            run_id=plan.run_id,
+            step=m["step"],
+            loss=m.get("loss"),
+            learning_rate=m.get("learning_rate"),
+            grad_norm=m.get("grad_norm"),
+            step_time_s=m.get("step_time_s"),
+            tokens_per_s=m.get("tokens_per_s"),
+            recorded_at=_ts(m.get("time")),
+        )
+        for m in metrics
+    ]
+    evals = []
+    if result is not None:
+        evals.append(
+            EvalMetricRow(
+                run_id=plan.run_id,
+                step=result.step,
+                loss=result.loss,
+                bits_per_byte=result.bits_per_byte,
+                tokens=result.tokens,
+                recorded_at=datetime.now(UTC),
+            )
+        )
+    ordered = sorted(metrics, key=lambda m: m["step"])
+    run = RunRow(
+        run_id=plan.run_id,
+        run_name=plan.run_name,
+        flow_run_id=plan.flow_run_id,
+        status="failed" if error else "completed",
+        error=error,
+        config_hash=plan.config_hash,
+        config_json=config.model_dump_json(),
+        dataset_fingerprint=_fingerprint(plan),
+        started_at=started_at,
+        finished_at=datetime.now(UTC),
+        final_step=verified.step if verified else (ordered[-1]["step"] if ordered else None),
+        train_loss_first=ordered[0]["loss"] if ordered else None,
+        train_loss_last=ordered[-1]["loss"] if ordered else None,
+        eval_loss=result.loss if result else None,
+        eval_bits_per_byte=result.bits_per_byte if result else None,
+        params_sha256=verified.params_sha256 if verified else None,
+        num_params=verified.num_params if verified else None,
+        run_dir=plan.run_dir,
+    )
+    return run, steps, evals
+
+
+def _fingerprint(plan: RunPlan) -> str:
+    from tasks.checks import load_workload_config
+
+    try:
+        return os.path.basename(load_workload_config(plan).dataset_dir.rstrip("/"))
+    except FileNotFoundError:
+        return ""
+
+
+@task(name="land-metrics", cache_policy=NONE)
+def land_metrics(
+    config: PipelineConfig,
+    plan: RunPlan,
+    started_at: datetime,
+    verified: VerifiedCheckpoint | None,
+    result: EvalResult | None,
+    error: str | None = None,
+) -> RunRow:
+    """Land the run idempotently: landing twice leaves one copy of every row."""
+    run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
+    sink = build_sink(config.metrics.sink, plan.metrics_path)
+    sink.ensure_tables()
+    sink.land(run, steps, evals)
+    get_run_logger().info(
+        "landed run %s (%s): %d step rows, %d eval rows in %s",
+        run.run_id,
+        run.status,
+        len(steps),
+        len(evals),
+        plan.metrics_path,
+    )
+    return run
+
+
+def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
+    """The flow run's summary: config, steps, loss first to last, eval, where things are."""
+
+    def fmt(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4f}"
+
+    return "\n".join(
+        [
+            f"# Run `{run.run_id}`: {run.status}",
+            "",
+            "| what | value |",
+            "|---|---|",
+            f"| steps | {run.final_step} of {config.train.steps} |",
+            f"| train loss | {fmt(run.train_loss_first)} → {fmt(run.train_loss_last)} |",
+            f"| eval loss | {fmt(run.eval_loss)} |",
+            f"| eval bits per byte | {fmt(run.eval_bits_per_byte)} |",
+            f"| parameters | {run.num_params} (sha256 `{(run.params_sha256 or '')[:16]}`) |",
+            f"| run directory | `{plan.run_dir}` |",
+            f"| metrics | `{plan.metrics_path}` ({config.metrics.sink}) |",
+            "",
+            "## Config",
+            "",
+            "```json",
+            config.model_dump_json(indent=2),
+            "```",
+        ]
+    )
+
+
+@task(name="publish-summary", cache_policy=NONE)
+def publish_summary(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
+    """Attach the run summary to the flow run as a markdown artifact."""
+    return str(
+        create_markdown_artifact(
+            markdown=summary_markdown(config, plan, run),
+            key=f"run-{plan.run_id}"[:64].rstrip("-"),
+            description=f"Training run {plan.run_id}",
+        )
+    )

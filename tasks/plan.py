@@ -1,0 +1,128 @@
+"""Where a run lives and what it is called, decided once, before anything costs money."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from datetime import UTC, datetime
+
+from etils import epath
+from pydantic import BaseModel, Field
+
+from workloads.config import PipelineConfig, WorkloadConfig
+from workloads.config_file import ConfigError
+from workloads.rundir import CONFIG, write_json_atomic
+
+MANAGED_BY = "tpupipe"
+
+
+class RunPlan(BaseModel):
+    """The resolved identity and paths of one run."""
+
+    run_id: str = Field(description="Identity of the run; equals its run_name.")
+    run_name: str
+    storage_root: str
+    run_dir: str
+    datasets_root: str
+    compile_cache_dir: str
+    slices_root: str
+    metrics_path: str
+    config_hash: str
+    slice_name: str
+    flow_run_id: str | None = None
+
+
+def new_run_name(now: datetime | None = None, token: str | None = None) -> str:
+    """A fresh, sortable run name: `run-20261122-061530-a1b2`."""
+    now = now or datetime.now(UTC)
+    return f"run-{now:%Y%m%d-%H%M%S}-{token or secrets.token_hex(2)}"
+
+
+def metrics_path(config: PipelineConfig) -> str:
+    """The DuckDB file metrics land in (absolute)."""
+    default = os.path.join(config.storage.root, "metrics.duckdb")
+    return os.path.abspath(config.metrics.path or default)
+
+
+def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
+    """Resolve names and paths; the run id is the run name, so a rerun resumes it."""
+    run_name = config.run_name or new_run_name()
+    root = os.path.abspath(config.storage.root)
+    run_dir = os.path.join(root, "runs", run_name)
+    return RunPlan(
+        run_id=run_name,
+        run_name=run_name,
+        storage_root=root,
+        run_dir=run_dir,
+        datasets_root=os.path.join(root, "datasets"),
+        compile_cache_dir=os.path.join(root, "compile_cache"),
+        slices_root=root,
+        metrics_path=metrics_path(config),
+        config_hash=config.config_hash(),
+        slice_name=f"tpupipe-{run_name}"[:63].rstrip("-"),
+        flow_run_id=flow_run_id,
+    )
+
+
+def check_resumable(config: PipelineConfig, plan: RunPlan) -> None:
+    """A rerun under an existing name must train the same thing, or it would mix runs.
+
+    Raises:
+        ConfigError: naming every training field that differs from the stored run.
+    """
+    stored = _stored_config(plan)
+    if stored is None or stored.config_hash == plan.config_hash:
+        return
+    old = stored.pipeline.model_dump(include={"seed", "dataset", "model", "train"}, mode="json")
+    new = config.model_dump(include={"seed", "dataset", "model", "train"}, mode="json")
+    diffs = [f"{k}: {old_v!r} -> {new_v!r}" for k, old_v, new_v in _diff(old, new)]
+    raise ConfigError(
+        f"run {plan.run_name!r} already exists in {plan.run_dir} with a different training "
+        f"config ({'; '.join(diffs)}); resume it with its original config or choose a new "
+        "run_name"
+    )
+
+
+def _stored_config(plan: RunPlan) -> WorkloadConfig | None:
+    path = epath.Path(plan.run_dir) / CONFIG
+    if not path.exists():
+        return None
+    return WorkloadConfig.model_validate_json(path.read_text())
+
+
+def _diff(old: dict, new: dict, prefix: str = ""):
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            yield from _diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            yield f"{prefix}{key}", a, b
+
+
+def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: str) -> str:
+    """Write the run's resolved config.json, which the workload reads; returns its path.
+
+    Training fields never change under a run (`check_resumable` guarantees it); where and
+    how it runs (mesh, slice, eval) may differ between attempts, so the file is rewritten.
+    """
+    path = epath.Path(plan.run_dir) / CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wcfg = WorkloadConfig(
+        pipeline=config.model_copy(update={"run_name": plan.run_name}),
+        run_id=plan.run_id,
+        run_dir=plan.run_dir,
+        dataset_dir=dataset_dir,
+        compile_cache_dir=plan.compile_cache_dir,
+        config_hash=plan.config_hash,
+    )
+    write_json_atomic(path, json.loads(wcfg.model_dump_json()))
+    return os.fspath(path)
+
+
+def slice_labels(plan: RunPlan) -> dict[str, str]:
+    """Labels every slice of this run carries, so hooks and reapers can find it."""
+    labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id}
+    if plan.flow_run_id:
+        labels["flow-run-id"] = plan.flow_run_id
+    return labels

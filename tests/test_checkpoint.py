@@ -1,0 +1,75 @@
+"""Checkpoints: a round trip, and verification that refuses what a run must not trust."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from workloads import checkpoint
+from workloads.config import MeshConfig, ModelConfig, TrainConfig
+from workloads.trainer import create_train_state, make_mesh
+
+MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
+TRAIN = TrainConfig(steps=10, batch_size=8, warmup_steps=1)
+
+
+@pytest.fixture()
+def state():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    return create_train_state(MODEL, TRAIN, 257, seed=0, mesh=mesh)
+
+
+def save(run_dir, step, arrays, config_hash="h1"):
+    mngr = checkpoint.make_manager(str(run_dir))
+    checkpoint.save(mngr, step, arrays, {"next_index": step * 8}, config_hash)
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def test_round_trip_restores_arrays_on_their_shardings(tmp_path, state):
+    save(tmp_path, 3, state.arrays)
+    fresh = create_train_state(MODEL, TRAIN, 257, seed=1, mesh=make_mesh(MeshConfig(data=8)))
+    mngr = checkpoint.make_manager(str(tmp_path))
+    arrays, data_iter, meta = checkpoint.restore(mngr, 3, fresh.arrays)
+    mngr.close()
+    assert data_iter == {"next_index": 24} and meta == {"step": 3, "config_hash": "h1"}
+    for a, b in zip(jax.tree.leaves(state.arrays), jax.tree.leaves(arrays), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Restored onto the new mesh's layout, not the one it was saved from.
+    leaf = jax.tree.leaves(arrays["model"])[0]
+    assert leaf.sharding.mesh.shape["data"] == 8
+
+
+def test_verify_accepts_the_final_step_and_checksums_parameters(tmp_path, state):
+    save(tmp_path, 10, state.arrays)
+    verified = checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert verified.step == 10 and len(verified.params_sha256) == 64
+    again = checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert again.params_sha256 == verified.params_sha256
+    assert verified.num_params == sum(x.size for x in jax.tree.leaves(state.arrays["model"]))
+
+
+def test_verify_refuses_wrong_step_config_or_missing(tmp_path, state):
+    with pytest.raises(checkpoint.CheckpointError, match="no committed checkpoint"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    save(tmp_path, 5, state.arrays)
+    with pytest.raises(checkpoint.CheckpointError, match="is step 5, expected the final step 10"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    with pytest.raises(checkpoint.CheckpointError, match="written by config h1"):
+        checkpoint.verify_checkpoint(str(tmp_path), 5, "other")
+
+
+def test_verify_refuses_non_finite_parameters(tmp_path, state):
+    kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
+    kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
+    save(tmp_path, 10, state.arrays)
+    with pytest.raises(checkpoint.CheckpointError, match=r"'up'.*NaN or Inf"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+
+
+def test_an_uncommitted_step_is_never_the_latest(tmp_path, state):
+    save(tmp_path, 5, state.arrays)
+    (tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-123").mkdir()
+    assert checkpoint.latest_step(str(tmp_path)) == 5

@@ -1,0 +1,102 @@
+"""Config validation: every bad input is named, with its file and line, before any cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.cli import main as cli_main
+from tests.helpers import REPO
+from workloads.config import PipelineConfig, padded_vocab_size
+from workloads.config_file import ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == cfg.slice.devices
+
+
+def test_batch_not_divisible_names_fields_and_line(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 10\n  batch_size: 30\nmesh:\n  data: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:3:" in msg
+    assert "train.batch_size = 30" in msg and "mesh.data*mesh.fsdp = 8" in msg
+
+
+def test_mesh_must_match_devices(tmp_path):
+    path = write(tmp_path, "mesh: {data: 2, fsdp: 2, tensor: 1}\n")
+    with pytest.raises(ConfigError, match=r"= 4 does not equal slice.devices = 8"):
+        load_config(path)
+
+
+def test_field_error_points_at_its_line(tmp_path):
+    path = write(tmp_path, "run_name: ok\nmodel:\n  n_layers: 0\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: model.n_layers: .*greater than"):
+        load_config(path)
+
+
+def test_unknown_key_is_an_error(tmp_path):
+    path = write(tmp_path, "train:\n  stepz: 10\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: train.stepz: Extra inputs"):
+        load_config(path)
+
+
+def test_model_shape_checks_name_fields(tmp_path):
+    path = write(
+        tmp_path,
+        "model: {d_model: 100, n_heads: 3, d_ff: 90, max_seq_len: 64}\n"
+        "dataset: {seq_len: 128}\nmesh: {data: 1, fsdp: 4, tensor: 2}\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "model.d_model = 100 is not divisible by model.n_heads = 3" in msg
+    assert "model.n_heads = 3 is not divisible by mesh.tensor = 2" in msg
+    assert "model.d_ff = 90 is not divisible by mesh.fsdp = 4" in msg
+    assert "dataset.seq_len = 128 exceeds model.max_seq_len = 64" in msg
+
+
+def test_overrides_are_applied_and_blamed(tmp_path):
+    path = write(tmp_path, "train: {steps: 10}\n")
+    cfg = load_config(path, ["train.steps=20", "model.dtype=float32", "run_name=abc"])
+    assert (cfg.train.steps, cfg.model.dtype, cfg.run_name) == (20, "float32", "abc")
+    with pytest.raises(ConfigError, match=r"--set: train.batch_size"):
+        load_config(path, ["train.batch_size=0"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(path, ["train.steps"])
+
+
+def test_bad_run_name_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="run_name 'Bad Name'"):
+        load_config(write(tmp_path, "run_name: Bad Name\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "train: [\n"))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_training_hash_ignores_where_and_how_it_runs():
+    a = PipelineConfig(run_name="a")
+    b = PipelineConfig(run_name="b", storage={"root": "/elsewhere"}, eval={"max_batches": 3})
+    c = PipelineConfig(train={"learning_rate": 1e-3})
+    assert a.config_hash() == b.config_hash() != c.config_hash()
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(257) == 384
+    assert padded_vocab_size(128) == 128
+
+
+def test_cli_validate_exit_codes(tmp_path, capsys):
+    assert cli_main(["validate", "--config", str(REPO / "configs" / "tiny.yaml")]) == 0
+    bad = write(tmp_path, "train: {batch_size: 30}\n")
+    assert cli_main(["validate", "--config", str(bad)]) == 2
+    assert "train.batch_size = 30" in capsys.readouterr().err

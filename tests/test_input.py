@@ -1,0 +1,151 @@
+"""The grain reader: decoding, batching, per-process sharding, exact resume, eval padding."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader
+
+from workloads import data, input
+from workloads.config import EOD_TOKEN, DatasetConfig
+from workloads.data import DatasetError
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("input")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i, size in enumerate((700, 450, 900, 300, 650, 520, 610)):
+        rng = random.Random(i)
+        (corpus / f"doc{i}.txt").write_text(
+            "".join(rng.choice("abcdefgh ij\n") for _ in range(size))
+        )
+    cfg = DatasetConfig(sources=[str(corpus)], seq_len=SEQ, num_shards=3, eval_fraction=0.2)
+    return data.shard_dataset(cfg, root / "out").dataset_dir
+
+
+def all_records(dataset_dir: str, split: str) -> np.ndarray:
+    rows = []
+    for shard in data.load_manifest(dataset_dir)["splits"][split]["shards"]:
+        reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
+        rows += [np.frombuffer(r, dtype="<u2") for r in reader.read_all()]
+        reader.close()
+    return np.stack(rows).astype(np.int32)
+
+
+def test_decode_records_segments_and_positions():
+    e = EOD_TOKEN
+    raw = np.array([[5, 6, e, 7, e, e, 8, 9], [1, 2, 3, 4, 5, 6, 7, e]], dtype=np.uint16)
+    out = input.decode_records(raw, e)
+    assert out["inputs"].tolist() == [[5, 6, e, 7, e, e, 8], [1, 2, 3, 4, 5, 6, 7]]
+    assert out["targets"].tolist() == [[6, e, 7, e, e, 8, 9], [2, 3, 4, 5, 6, 7, e]]
+    # The EOD ends its document's segment; the token after it opens the next one.
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 3, 4], [1] * 7]
+    assert out["positions"].tolist() == [[0, 1, 2, 0, 1, 0, 0], list(range(7))]
+    assert out["weights"].tolist() == [[1.0] * 7] * 2
+    for key in ("inputs", "targets", "segment_ids", "positions"):
+        assert out[key].dtype == np.int32 and out[key].shape == (2, 7)
+    assert out["weights"].dtype == np.float32
+    padded = input.decode_records(raw, e, real_rows=np.array([True, False]))
+    assert padded["weights"].tolist() == [[1.0] * 7, [0.0] * 7]
+
+
+def test_dataset_info(dataset_dir):
+    info = input.dataset_info(dataset_dir)
+    ev = data.load_manifest(dataset_dir)["splits"]["eval"]
+    assert (info.vocab_size, info.eod_token, info.seq_len) == (257, EOD_TOKEN, SEQ)
+    assert info.bytes_per_token == ev["bytes"] / ev["tokens"] < 1.0
+    assert info.train_records == len(all_records(dataset_dir, "train"))
+    assert info.eval_records == len(all_records(dataset_dir, "eval"))
+
+
+def test_train_batches_shapes_and_content(dataset_dir):
+    it = input.train_iterator(dataset_dir, batch_size=4, seed=0)
+    batch = next(it)
+    assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
+    for key, value in batch.items():
+        assert value.shape == (4, SEQ)
+        assert value.dtype == (np.float32 if key == "weights" else np.int32)
+    records = {tuple(r) for r in all_records(dataset_dir, "train")}
+    for inp, tgt in zip(batch["inputs"], batch["targets"], strict=True):
+        assert (*inp, tgt[-1]) in records
+
+
+def first_epoch(dataset_dir: str, seed: int, index: int, count: int, n: int) -> list[tuple]:
+    it = input.train_iterator(dataset_dir, 1, seed, shard_index=index, shard_count=count)
+    rows = []
+    for _ in range(n):
+        b = next(it)
+        rows.append((*b["inputs"][0], b["targets"][0, -1]))
+    return rows
+
+
+def test_processes_share_an_epoch_disjointly(dataset_dir):
+    records = sorted(tuple(r) for r in all_records(dataset_dir, "train"))
+    n = len(records)
+    one = first_epoch(dataset_dir, 7, 0, 1, n)
+    assert sorted(one) == records and one != records  # a permutation, shuffled
+    p0 = first_epoch(dataset_dir, 7, 0, 2, (n + 1) // 2)
+    p1 = first_epoch(dataset_dir, 7, 1, 2, n // 2)
+    assert sorted(p0 + p1) == records
+    # Dealt round-robin from the same global order as the single-process stream.
+    assert p0 == one[0::2] and p1 == one[1::2]
+    assert first_epoch(dataset_dir, 8, 0, 1, n) != one
+
+
+@pytest.mark.parametrize(("index", "count"), [(0, 1), (1, 2)])
+def test_iterator_state_resumes_exactly(dataset_dir, index, count):
+    n_train = input.dataset_info(dataset_dir).train_records
+    k = n_train // 3 + 1  # past the first epoch for the sharded reader
+
+    def fresh():
+        return input.train_iterator(dataset_dir, 3, seed=1, shard_index=index, shard_count=count)
+
+    uninterrupted = fresh()
+    for _ in range(k):
+        next(uninterrupted)
+    saved = json.loads(json.dumps(input.iterator_state_to_json(uninterrupted)))
+    expected = [next(uninterrupted) for _ in range(2)]
+    resumed = fresh()
+    input.restore_iterator_state(resumed, saved)
+    for want in expected:
+        got = next(resumed)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_eval_batches_pad_the_last_batch(dataset_dir):
+    records = all_records(dataset_dir, "eval")
+    n = len(records)
+    size = next(s for s in (4, 3, 5, 7) if n % s)  # one that leaves a partial batch
+    batches = list(input.eval_batches(dataset_dir, size, max_batches=1000))
+    assert len(batches) == -(-n // size)
+    assert all(b["inputs"].shape == (size, SEQ) for b in batches)
+    inputs = np.concatenate([b["inputs"] for b in batches])
+    weights = np.concatenate([b["weights"] for b in batches])
+    np.testing.assert_array_equal(inputs[:n], records[:, :-1])  # in order, nothing dropped
+    assert (weights[:n] == 1).all() and (weights[n:] == 0).all()
+    assert (inputs[n:] == EOD_TOKEN).all()
+    assert len(list(input.eval_batches(dataset_dir, size, max_batches=2))) == min(2, len(batches))
+    again = list(input.eval_batches(dataset_dir, size, max_batches=1000))
+    np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in again]), inputs)
+
+
+def test_incomplete_dataset_is_refused(tmp_path, dataset_dir):
+    with pytest.raises(DatasetError, match="incomplete dataset"):
+        input.train_iterator(tmp_path, 2, 0)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text(Path(dataset_dir, "manifest.json").read_text())
+    with pytest.raises(DatasetError, match="train-00000-of-00003"):
+        input.train_iterator(broken, 2, 0)
+    with pytest.raises(ValueError, match="shard_index"):
+        input.train_iterator(dataset_dir, 2, 0, shard_index=2, shard_count=2)

@@ -1,0 +1,129 @@
+"""The whole flow on the embedded backends: real sharding, a real slice process, real
+training, verification, evaluation and landing in DuckDB."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.metrics import DuckDBSink
+from tests.helpers import processes_mentioning, tiny_config
+from workloads import checkpoint, data
+
+pytestmark = pytest.mark.integration
+
+
+def _slices_left(root: Path) -> list[str]:
+    registry = root / "slices"
+    return sorted(p.name for p in registry.glob("*.json")) if registry.exists() else []
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, prefect_harness):
+    """Run the tiny pipeline once; several tests inspect what it left behind."""
+    from flows.pipeline import tpu_training_pipeline
+
+    root = tmp_path_factory.mktemp("store")
+    config = tiny_config(root)
+    run = tpu_training_pipeline(config=config)
+    return config, root, run
+
+
+def test_pipeline_shards_trains_verifies_evaluates_and_lands(tiny_run):
+    config, root, run = tiny_run
+    run_dir = Path(run.run_dir)
+
+    # Shards and a manifest exist, and the manifest's checksums match the files.
+    wcfg = json.loads((run_dir / "config.json").read_text())
+    dataset_dir = Path(wcfg["dataset_dir"])
+    manifest = data.load_manifest(dataset_dir)
+    assert len(manifest["splits"]["train"]["shards"]) == config.dataset.num_shards
+    data.verify_shards(dataset_dir)
+
+    # The final checkpoint verifies independently of the flow, with the same checksum.
+    verified = checkpoint.verify_checkpoint(str(run_dir), config.train.steps, run.config_hash)
+    assert verified.step == config.train.steps
+    assert run.params_sha256 == verified.params_sha256
+    assert run.status == "completed"
+    assert run.train_loss_last < run.train_loss_first
+
+    # DuckDB holds the run's step and eval rows.
+    sink = DuckDBSink(str(root / "metrics.duckdb"))
+    steps = [s for (s,) in sink.query(
+        "SELECT step FROM step_metrics WHERE run_id = ? ORDER BY step", [run.run_id]
+    )]
+    assert steps[-1] == config.train.steps
+    assert len(steps) == len(set(steps)) >= config.train.steps // config.train.log_every
+    (eval_loss, bpb), = sink.query(
+        "SELECT loss, bits_per_byte FROM eval_metrics WHERE run_id = ?", [run.run_id]
+    )
+    assert eval_loss == pytest.approx(run.eval_loss) and bpb > 0
+    assert json.loads((run_dir / "eval.json").read_text())["step"] == config.train.steps
+
+    # No slice or workload process is left.
+    assert _slices_left(root) == []
+    assert processes_mentioning(str(run_dir / "config.json")) == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["phase"] == "finished"
+    with pytest.raises(ProcessLookupError):
+        os.kill(status["pid"], 0)
+
+
+def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
+    from flows.pipeline import tpu_training_pipeline
+
+    config, root, first = tiny_run
+    again = tpu_training_pipeline(config=config)
+    assert again.params_sha256 == first.params_sha256  # nothing retrained
+    sink = DuckDBSink(str(root / "metrics.duckdb"))
+    assert sink.query("SELECT count(*) FROM runs WHERE run_id = ?", [first.run_id]) == [(1,)]
+    (n, distinct), = sink.query(
+        "SELECT count(*), count(DISTINCT step) FROM step_metrics WHERE run_id = ?",
+        [first.run_id],
+    )
+    assert n == distinct
+
+
+def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness):
+    """The watcher gives up while the workload is still running: teardown must kill it."""
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.training import WorkloadFailed
+
+    config = tiny_config(tmp_path, "run_name=stalls", "slice.heartbeat_timeout_s=0.5")
+    with pytest.raises(WorkloadFailed, match="heartbeat"):
+        tpu_training_pipeline(config=config)
+    run_dir = tmp_path / "runs" / "stalls"
+    assert _slices_left(tmp_path) == []
+    assert processes_mentioning(str(run_dir / "config.json")) == []
+    sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+    ((status, error),) = sink.query("SELECT status, error FROM runs WHERE run_id = 'stalls'")
+    assert status == "failed" and "heartbeat" in error
+
+
+def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
+    """A diverging run stops with a clear error and never checkpoints the bad state."""
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.training import WorkloadFailed
+
+    config = tiny_config(
+        tmp_path, "run_name=diverges", "train.learning_rate=1e30", "train.warmup_steps=0"
+    )
+    with pytest.raises(WorkloadFailed, match="not finite"):
+        tpu_training_pipeline(config=config)
+    assert _slices_left(tmp_path) == []
+    run_dir = tmp_path / "runs" / "diverges"
+    assert checkpoint.latest_step(str(run_dir)) is None
+
+
+def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_harness):
+    from flows.pipeline import tpu_training_pipeline
+
+    bad = tiny_config(tmp_path).model_dump()
+    bad["train"]["batch_size"] = 30  # not divisible by data*fsdp = 4
+    with pytest.raises(Exception, match=r"train\.batch_size = 30 .*mesh\.data\*mesh\.fsdp"):
+        tpu_training_pipeline(config=bad)
+    assert not (tmp_path / "slices").exists() or _slices_left(tmp_path) == []
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,94 @@
+"""The model and train step on a faked 8-device CPU mesh."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from workloads.config import MeshConfig, ModelConfig, TrainConfig
+from workloads.model import Transformer
+from workloads.train import NonFiniteError, _metric_rows
+from workloads.trainer import (
+    create_train_state,
+    lr_schedule,
+    make_mesh,
+    make_train_step,
+    place_batch,
+)
+
+MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=4, d_ff=64, max_seq_len=64, dtype="float32")
+TRAIN = TrainConfig(steps=10, batch_size=8, learning_rate=1e-2, warmup_steps=1)
+
+
+def make_batch(seed: int = 0, batch: int = 8, seq: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 256, (batch, seq + 1)).astype(np.int32)
+    return {
+        "inputs": toks[:, :-1],
+        "targets": toks[:, 1:],
+        "segment_ids": np.ones((batch, seq), np.int32),
+        "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
+        "weights": np.ones((batch, seq), np.float32),
+    }
+
+
+def losses_on(mesh_shape: tuple[int, int, int], steps: int = 3) -> list[float]:
+    mesh = make_mesh(MeshConfig(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2]))
+    state = create_train_state(MODEL, TRAIN, 257, seed=0, mesh=mesh)
+    step = make_train_step(state.graphdef, mesh)
+    arrays, out = state.arrays, []
+    for i in range(steps):
+        arrays, metrics = step(arrays, place_batch(make_batch(i), mesh))
+        out.append(float(metrics["loss"]))
+    return out
+
+
+def test_parameters_are_sharded_on_the_mesh():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    state = create_train_state(MODEL, TRAIN, 257, seed=0, mesh=mesh)
+    qkv = state.arrays["model"]["blocks"][0]["attn"]["qkv"]["kernel"][...]
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    # Each device holds a quarter of the kernel (fsdp=2 × tensor=2), not all of it.
+    assert qkv.addressable_shards[0].data.size == qkv.size // 4
+
+
+def test_same_losses_on_different_meshes():
+    reference = losses_on((8, 1, 1))
+    assert reference[-1] < reference[0]
+    for shape in [(2, 2, 2), (1, 2, 4)]:
+        np.testing.assert_allclose(losses_on(shape), reference, rtol=2e-5)
+
+
+def test_attention_never_crosses_documents():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        from flax import nnx
+
+        model = Transformer(MODEL, 257, rngs=nnx.Rngs(0))
+        batch = make_batch(0, batch=1)
+        seg = np.array([[1] * 6 + [2] * 10], np.int32)
+        pos = np.array([list(range(6)) + list(range(10))], np.int32)
+        base = model(batch["inputs"], pos, seg)
+        changed = batch["inputs"].copy()
+        changed[0, :6] = (changed[0, :6] + 7) % 256  # rewrite the first document only
+        after = model(changed, pos, seg)
+    np.testing.assert_allclose(np.asarray(after)[0, 6:], np.asarray(base)[0, 6:], atol=1e-5)
+    assert not np.allclose(np.asarray(after)[0, :6], np.asarray(base)[0, :6])
+
+
+def test_padding_rows_of_the_vocab_get_no_probability():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        from flax import nnx
+
+        model = Transformer(MODEL, 257, rngs=nnx.Rngs(0))
+        b = make_batch(0, batch=1)
+        probs = jax.nn.softmax(model(b["inputs"], b["positions"], b["segment_ids"]), axis=-1)
+    assert float(probs[..., 257:].sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_non_finite_loss_stops_with_a_clear_error():
+    pending = [(7, {"loss": np.float32("nan"), "grad_norm": np.float32(1.0), "tokens": 8.0})]
+    with pytest.raises(NonFiniteError, match=r"step 7: loss=nan .* not finite"):
+        _metric_rows(pending, lr_schedule(TRAIN), 1.0)

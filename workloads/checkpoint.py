@@ -1,0 +1,184 @@
+"""Orbax checkpoints of a run: model, optimizer and data-iterator state, saved together.
+
+A checkpoint step holds three items: `state` (the model and optimizer arrays as a pure
+dict), `data_iter` (the grain iterator's state, so a resumed run sees the batches an
+uninterrupted run would) and `meta` (step and config hash). Orbax writes each step under a
+temporary name and commits it atomically; `latest_step` only reports committed steps, and
+`verify_checkpoint` re-checks a step before the pipeline trusts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, non-finite or from another config."""
+
+
+def checkpoint_dir(run_dir: str) -> epath.Path:
+    """Where a run's checkpoints live."""
+    return epath.Path(run_dir) / "checkpoints"
+
+
+def make_manager(
+    run_dir: str, keep: int = 3, async_save: bool = True, read_only: bool = False
+) -> ocp.CheckpointManager:
+    """A CheckpointManager over the run's checkpoint directory.
+
+    Saving cadence is decided by the training loop (every K steps, the final step and on a
+    preemption notice), so the manager saves whenever asked.
+    """
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only,
+        read_only=read_only,
+        create=not read_only,
+    )
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data_iter": ocp.JsonCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(
+        checkpoint_dir(run_dir), options=options, item_handlers=handlers
+    )
+
+
+def save(
+    mngr: ocp.CheckpointManager, step: int, arrays: dict, data_iter: dict, config_hash: str
+) -> None:
+    """Start saving `step` (asynchronously); the caller waits before exiting."""
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(_pure(arrays)),
+        data_iter=ocp.args.JsonSave(data_iter),
+        meta=ocp.args.JsonSave({"step": step, "config_hash": config_hash}),
+    )
+    mngr.save(step, args=args, force=True)
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict, dict, dict]:
+    """Restore `step` onto the shardings of `arrays`; returns (arrays, data_iter, meta)."""
+    from flax import nnx
+
+    target = _pure(arrays)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    out = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract),
+            data_iter=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
+    restored = {}
+    for key, state in arrays.items():
+        nnx.replace_by_pure_dict(state, out["state"][key])
+        restored[key] = state
+    return restored, out["data_iter"], out["meta"]
+
+
+def _pure(arrays: dict) -> dict:
+    from flax import nnx
+
+    return {key: nnx.to_pure_dict(state) for key, state in arrays.items()}
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """What verification found: the step, the config it came from and a parameter checksum."""
+
+    step: int
+    config_hash: str
+    params_sha256: str
+    num_params: int
+    num_arrays: int
+
+
+def restore_on_host(run_dir: str, step: int) -> tuple[dict, dict]:
+    """Restore a step's `state` onto one host CPU device (any mesh wrote it) and its meta."""
+    mngr = make_manager(run_dir, read_only=True)
+    try:
+        metadata = mngr.item_metadata(step)["state"]
+        # One host device holds everything: valid whatever topology wrote the checkpoint.
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        abstract = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+            metadata,
+            is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
+        )
+        out = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return out["state"], out["meta"]
+    finally:
+        mngr.close()
+
+
+def params_sha256(model_tree: dict) -> tuple[str, int]:
+    """sha256 over every parameter's path, dtype, shape and bytes, in a fixed order."""
+    digest = hashlib.sha256()
+    count = 0
+    flat = jax.tree_util.tree_flatten_with_path(model_tree)[0]
+    for path, leaf in sorted(flat, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        arr = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{arr.dtype}|{arr.shape}|".encode())
+        digest.update(arr.tobytes())
+        count += arr.size
+    return digest.hexdigest(), count
+
+
+def latest_step(run_dir: str) -> int | None:
+    """The newest committed checkpoint step of a run, or None."""
+    if not checkpoint_dir(run_dir).exists():
+        return None
+    mngr = make_manager(run_dir, read_only=True)
+    try:
+        return mngr.latest_step()
+    finally:
+        mngr.close()
+
+
+def verify_checkpoint(
+    run_dir: str, expected_step: int | None, config_hash: str
+) -> VerifiedCheckpoint:
+    """Restore the newest checkpoint and check its step, its config and that it is finite.
+
+    Raises:
+        CheckpointError: naming the run directory and what is wrong.
+    """
+    step = latest_step(run_dir)
+    where = checkpoint_dir(run_dir)
+    if step is None:
+        raise CheckpointError(f"no committed checkpoint in {where}")
+    if expected_step is not None and step != expected_step:
+        raise CheckpointError(
+            f"newest checkpoint in {where} is step {step}, expected the final step {expected_step}"
+        )
+    state, meta = restore_on_host(run_dir, step)
+    if meta.get("config_hash") != config_hash:
+        raise CheckpointError(
+            f"checkpoint {where / str(step)} was written by config {meta.get('config_hash')}, "
+            f"this run's config is {config_hash}"
+        )
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    for path, leaf in flat:
+        arr = np.asarray(leaf)
+        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+            raise CheckpointError(
+                f"checkpoint {where / str(step)}: array {jax.tree_util.keystr(path)} has "
+                "NaN or Inf values"
+            )
+    sha, count = params_sha256(state["model"])
+    return VerifiedCheckpoint(step, meta["config_hash"], sha, count, len(flat))
+

@@ -1,0 +1,104 @@
+"""Evaluation of a checkpoint: loss and bits-per-byte on the held-out shards.
+
+Restores parameters as host arrays, so it runs on any mesh or device count (the
+orchestrator's single CPU device by default), and writes `eval.json` in the run directory.
+`python -m workloads.evaluate --config <run_dir>/config.json [--step N]` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+from etils import epath
+from flax import nnx
+
+from workloads import checkpoint, input
+from workloads.config import MeshConfig, WorkloadConfig
+from workloads.model import Transformer, token_losses
+from workloads.rundir import EVAL, write_json_atomic
+from workloads.trainer import BATCH_KEYS, make_mesh
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Evaluation of one checkpoint step on the eval split."""
+
+    step: int
+    loss: float
+    bits_per_byte: float
+    tokens: int
+    batches: int
+
+
+def load_model(wcfg: WorkloadConfig, step: int, mesh) -> Transformer:
+    """Rebuild the model from a checkpoint's parameters, without a random init first."""
+    info = input.dataset_info(wcfg.dataset_dir)
+    state, _ = checkpoint.restore_on_host(wcfg.run_dir, step)
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(
+            lambda: Transformer(wcfg.pipeline.model, info.vocab_size, rngs=nnx.Rngs(0))
+        )
+        graphdef, params = nnx.split(abstract)
+        nnx.replace_by_pure_dict(params, jax.device_put(state["model"]))
+        return nnx.merge(graphdef, params)
+
+
+def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> EvalResult:
+    """Mean token loss (nats) and bits per byte of checkpoint `step` on the eval split."""
+    devices = devices or jax.devices()[:1]
+    mesh = make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices)
+    model = load_model(wcfg, step, mesh)
+    info = input.dataset_info(wcfg.dataset_dir)
+
+    @nnx.jit
+    def batch_sums(model: Transformer, batch: dict) -> tuple[jax.Array, jax.Array]:
+        nll, weights = token_losses(model, batch)
+        return (nll * weights).sum(), weights.sum()
+
+    total_nll, total_tokens, batches = 0.0, 0.0, 0
+    batch_size = wcfg.pipeline.eval.batch_size
+    batch_size -= batch_size % len(devices)
+    with jax.set_mesh(mesh):
+        for batch in input.eval_batches(
+            wcfg.dataset_dir, batch_size, wcfg.pipeline.eval.max_batches
+        ):
+            nll, tokens = batch_sums(model, {k: jnp.asarray(batch[k]) for k in BATCH_KEYS})
+            total_nll += float(nll)
+            total_tokens += float(tokens)
+            batches += 1
+    if total_tokens == 0:
+        raise ValueError(f"eval split of {wcfg.dataset_dir} produced no tokens")
+    loss = total_nll / total_tokens
+    bpb = loss / math.log(2) / info.bytes_per_token
+    return EvalResult(step, loss, bpb, int(total_tokens), batches)
+
+
+def write_result(run_dir: str, result: EvalResult) -> None:
+    """Record the evaluation in the run directory's eval.json."""
+    write_json_atomic(epath.Path(run_dir) / EVAL, asdict(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: evaluate the newest (or a given) checkpoint."""
+    parser = argparse.ArgumentParser(prog="python -m workloads.evaluate")
+    parser.add_argument("--config", required=True, help="the run's config.json")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (newest)")
+    args = parser.parse_args(argv)
+    wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
+    step = args.step if args.step is not None else checkpoint.latest_step(wcfg.run_dir)
+    if step is None:
+        print(f"no checkpoint in {wcfg.run_dir}", file=sys.stderr)
+        return 1
+    result = evaluate(wcfg, step)
+    write_result(wcfg.run_dir, result)
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""A decoder-only transformer in Flax NNX, annotated for a (data, fsdp, tensor) mesh.
+
+Parameters carry their partitioning as metadata (`nnx.with_partitioning`), so building the
+model under `jax.set_mesh(mesh)` places every array on its shards at creation: the full
+unsharded model never exists on one device. Activations are constrained to split the batch
+over `data`×`fsdp`. Compute runs in `ModelConfig.dtype` (bf16 by default) on float32 master
+parameters; logits and the loss are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from workloads.config import ModelConfig, padded_vocab_size
+
+BATCH_AXES = ("data", "fsdp")
+_init = nnx.initializers.normal(stddev=0.02)
+
+
+def _dense(din: int, dout: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=False,
+        kernel_init=nnx.with_partitioning(_init, axes),
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        rngs=rngs,
+    )
+
+
+def _norm(dim: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        dim,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (None,)),
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        rngs=rngs,
+    )
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotary position embedding of `x` [batch, seq, heads, head_dim] at `positions`."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [b, s, half]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """Causal mask that never lets a token attend across a document boundary."""
+    seq = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same_doc)[:, None]  # [b, 1, q, k]
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention; heads are split over the `tensor` axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = _dense(cfg.d_model, 3 * cfg.d_model, ("fsdp", "tensor"), cfg, rngs)
+        self.out = _dense(cfg.d_model, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k = rotary(q, positions), rotary(k, positions)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1)
+        return self.out(ctx)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention then a GELU MLP, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = _norm(cfg.d_model, cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = _norm(cfg.d_model, cfg, rngs)
+        self.up = _dense(cfg.d_model, cfg.d_ff, ("fsdp", "tensor"), cfg, rngs)
+        self.down = _dense(cfg.d_ff, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+        return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, None, None))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model with tied input and output embeddings."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
+        self.vocab_size = vocab_size
+        self.embed = nnx.Embed(
+            padded_vocab_size(vocab_size),
+            cfg.d_model,
+            embedding_init=nnx.with_partitioning(_init, (None, "fsdp")),
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            rngs=rngs,
+        )
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = _norm(cfg.d_model, cfg, rngs)
+
+    def __call__(
+        self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array:
+        """Float32 logits [batch, seq, padded_vocab] for token ids `inputs` [batch, seq]."""
+        x = jax.lax.with_sharding_constraint(self.embed(inputs), P(BATCH_AXES, None, None))
+        mask = attention_mask(segment_ids)
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+        # Padding rows of the embedding table are not tokens: give them no probability.
+        real = jnp.arange(logits.shape[-1]) < self.vocab_size
+        return jnp.where(real, logits, jnp.finfo(jnp.float32).min)
+
+
+def token_losses(model: Transformer, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Per-token negative log-likelihood (nats) and the weights that say which count."""
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return nll, batch["weights"].astype(jnp.float32)
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of scalar parameters in `model`."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,93 @@
+"""The run directory: the only channel between the workload and the orchestrator.
+
+The workload writes `status.json` (a heartbeat, replaced atomically so a reader never sees
+half a file) and appends `metrics.jsonl`; the orchestrator reads both. Paths are
+`etils.epath` paths so the same code serves a local directory and `gs://`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from etils import epath
+
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+EVAL = "eval.json"
+
+
+def write_json_atomic(path: epath.Path, payload: dict[str, Any]) -> None:
+    """Write JSON so a concurrent reader sees the old or the new file, never a torn one."""
+    text = json.dumps(payload, indent=2, sort_keys=True, default=_jsonable)
+    if str(path).startswith("gs://"):
+        path.write_text(text)  # a GCS object write is already all-or-nothing
+        return
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def read_json(path: epath.Path) -> dict[str, Any] | None:
+    """The parsed file, or None if it does not exist (yet)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN: non-finite floats are written as null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class RunDir:
+    """Reads and writes the files of one run directory."""
+
+    def __init__(self, path: str | os.PathLike, clock=time.time):
+        self.path = epath.Path(path)
+        self._clock = clock
+
+    def write_status(self, phase: str, **fields: Any) -> None:
+        """Replace the heartbeat: phase (starting, training, saving, finished, failed,
+        preempted), step, loss, last checkpoint and the time it was written."""
+        payload = {"phase": phase, "time": self._clock(), "pid": os.getpid(), **fields}
+        write_json_atomic(self.path / STATUS, payload)
+
+    def read_status(self) -> dict[str, Any] | None:
+        """The latest heartbeat, or None before the workload wrote one."""
+        return read_json(self.path / STATUS)
+
+    def append_metrics(self, rows: list[dict[str, Any]]) -> None:
+        """Append step metrics, one JSON object a line, flushed before returning."""
+        if not rows:
+            return
+        lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        with (self.path / METRICS).open("a") as f:
+            f.write(lines)
+            f.flush()
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Every complete metrics line; a torn last line (killed mid-write) is skipped."""
+        path = self.path / METRICS
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows

@@ -1,0 +1,130 @@
+"""Mesh, sharded train state and the pure, jitted train step.
+
+`train_step(state, batch) -> (state, metrics)` has no I/O and no logging; the state is
+donated so its buffers are reused in place. Non-finite values are checked by the caller,
+outside jit, before anything is checkpointed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from workloads.config import MeshConfig, ModelConfig, TrainConfig
+from workloads.model import BATCH_AXES, Transformer, token_losses
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: every device of every process)."""
+    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    devices = devices if devices is not None else jax.devices()
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, shape, strict=True))} needs {int(np.prod(shape))} "
+            f"devices, found {len(devices)}"
+        )
+    return jax.make_mesh(
+        shape,
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * 3,
+        devices=devices,
+    )
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup to the peak rate, then cosine decay to a tenth of it."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * 0.1,
+    )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; norms and embeddings' padding are not decayed."""
+
+    def decay_mask(params: Any) -> Any:
+        # Weight decay on matrices only: decaying norm scales pulls them towards zero.
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask
+        ),
+    )
+
+
+@dataclass
+class TrainState:
+    """The split model and optimizer: a static graph and the arrays the step updates."""
+
+    graphdef: Any
+    arrays: dict  # {"model": nnx.State, "opt": nnx.State}
+
+
+def create_train_state(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int, seed: int, mesh
+) -> TrainState:
+    """Initialise parameters and optimizer state directly on their shards."""
+    with jax.set_mesh(mesh):
+        model = Transformer(model_cfg, vocab_size, rngs=nnx.Rngs(params=seed))
+        opt = nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
+    model_def, model_state = nnx.split(model)
+    opt_def, opt_state = nnx.split(opt)
+    return TrainState(
+        graphdef=(model_def, opt_def), arrays={"model": model_state, "opt": opt_state}
+    )
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Batches are split over data×fsdp along their leading axis."""
+    return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def place_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """Assemble this process's rows into global arrays laid out for the mesh."""
+    sharding = batch_sharding(mesh)
+    return {
+        key: jax.make_array_from_process_local_data(sharding, local_batch[key])
+        for key in BATCH_KEYS
+    }
+
+
+def make_train_step(graphdef: Any, mesh) -> Callable:
+    """The jitted step: forward, backward, clip, AdamW update. State is donated."""
+
+    def loss_fn(model: Transformer, batch: dict) -> tuple[jax.Array, jax.Array]:
+        nll, weights = token_losses(model, batch)
+        tokens = weights.sum()
+        return (nll * weights).sum() / jnp.maximum(tokens, 1.0), tokens
+
+    def step(arrays: dict, batch: dict) -> tuple[dict, dict]:
+        model = nnx.merge(graphdef[0], arrays["model"])
+        opt = nnx.merge(graphdef[1], arrays["opt"])
+        (loss, tokens), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        opt.update(model, grads)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens}
+        return {"model": nnx.state(model), "opt": nnx.state(opt)}, metrics
+
+    jitted = jax.jit(step, donate_argnums=(0,))
+
+    def run(arrays: dict, batch: dict) -> tuple[dict, dict]:
+        with jax.set_mesh(mesh):
+            return jitted(arrays, batch)
+
+    return run
