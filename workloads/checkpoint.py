@@ -38,8 +38,9 @@ def make_manager(
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         enable_async_checkpointing=async_save,
+        # Orbax's own read_only mode logs warnings on every open; not creating and not
+        # cleaning is all a reader needs.
         cleanup_tmp_directories=not read_only,
-        read_only=read_only,
         create=not read_only,
     )
     handlers = {

@@ -103,6 +103,7 @@ class RunRow(TableRow):
     run_name: str
     flow_run_id: str | None = None
     status: typing.Literal["completed", "failed"]
+    error: str | None = None  # why a failed run failed; NULL when it completed
     config_hash: str
     config_json: str
     dataset_fingerprint: str

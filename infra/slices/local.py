@@ -91,9 +91,7 @@ def _group_alive(pgid: int) -> bool:
         return bool(members)
     try:
         os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's group: the id was reused, ours is gone
+    except (ProcessLookupError, PermissionError):  # gone, or another user's reused id
         return False
     return True
 

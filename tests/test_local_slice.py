@@ -1,0 +1,205 @@
+"""The local slice provider runs real process groups: these tests start and kill them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.slices import (
+    LocalSliceProvider,
+    SliceError,
+    SliceProvider,
+    SliceSpec,
+    SliceState,
+    build_provider,
+)
+
+
+def _wait_for(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return result
+
+
+def _group_gone(pgid: int) -> bool:
+    """No process of the group is alive. Zombies are dead: where PID 1 never reaps orphans
+    (some containers), a killed grandchild stays one and `killpg(pgid, 0)` still succeeds."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[2] == str(pgid) and fields[0] not in "ZX":
+            return False
+    return True
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _spec(tmp_path: Path, name: str, code: str, **kw) -> SliceSpec:
+    kw.setdefault("devices", 2)
+    return SliceSpec(name=name, command=_py(code), log_path=str(tmp_path / f"{name}.log"), **kw)
+
+
+SLEEPER = "import time; time.sleep(60)"
+
+
+@pytest.fixture
+def provider(tmp_path):
+    p = LocalSliceProvider(tmp_path / "registry")
+    yield p
+    for s in p.list():
+        p.delete(s.name, grace_s=0)
+
+
+def test_create_runs_workload_as_own_group_and_delete_kills_everything(provider, tmp_path):
+    out = tmp_path / "env.json"
+    code = f"""
+        import json, os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print("to stdout", flush=True); print("to stderr", file=sys.stderr, flush=True)
+        info = dict(xla=os.environ["XLA_FLAGS"], platforms=os.environ["JAX_PLATFORMS"],
+                    extra=os.environ["EXTRA"], pid=os.getpid(), pgid=os.getpgid(0),
+                    grandchild=child.pid)
+        open({str(out)!r} + ".tmp", "w").write(json.dumps(info))
+        os.replace({str(out)!r} + ".tmp", {str(out)!r})
+        time.sleep(60)
+    """
+    env = {"EXTRA": "1", "XLA_FLAGS": "--xla_dump_to=/x --xla_force_host_platform_device_count=1"}
+    status = provider.create(_spec(tmp_path, "s1", code, devices=4, env=env, labels={"a": "b"}))
+    assert status.state is SliceState.READY and status.labels == {"a": "b"}
+    info = json.loads(_wait_for(lambda: out.exists() and out.read_text()))
+    assert info["xla"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=4"
+    assert info["platforms"] == "cpu" and info["extra"] == "1"
+    assert info["pgid"] == info["pid"] != os.getpgid(0)  # its own process group
+    record = json.loads((tmp_path / "registry" / "s1.json").read_text())
+    assert (record["pid"], record["pgid"], record["devices"]) == (info["pid"], info["pid"], 4)
+    assert provider.status("s1").state is SliceState.READY
+    log = _wait_for(lambda: "to stderr" in (t := Path(record["log_path"]).read_text()) and t)
+    assert "to stdout" in log
+
+    assert provider.delete("s1") is True
+    with pytest.raises(ProcessLookupError):
+        os.kill(info["pid"], 0)  # the leader is dead and reaped
+    assert _group_gone(info["pgid"])  # the grandchild too
+    assert provider.delete("s1") is False
+    assert provider.status("s1").state is SliceState.NOT_FOUND
+    assert not (tmp_path / "registry" / "s1.json").exists()
+
+
+def test_exit_code_and_recreate_after_exit(provider, tmp_path):
+    provider.create(_spec(tmp_path, "s2", "raise SystemExit(3)"))
+    status = _wait_for(lambda: (s := provider.status("s2")).state is SliceState.TERMINATED and s)
+    assert status.exit_code == 3
+    # An exited slice does not block its name; a running one does.
+    provider.create(_spec(tmp_path, "s2", SLEEPER))
+    with pytest.raises(SliceError, match="s2"):
+        provider.create(_spec(tmp_path, "s2", SLEEPER))
+    assert provider.delete("s2", grace_s=0.5) is True
+    assert provider.delete("s2") is False
+
+
+def test_sigterm_ignored_is_killed(provider, tmp_path):
+    ready = tmp_path / "ready"
+    code = f"""
+        import pathlib, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pathlib.Path({str(ready)!r}).touch()
+        time.sleep(60)
+    """
+    provider.create(_spec(tmp_path, "stubborn", code))
+    _wait_for(ready.exists)
+    pgid = json.loads((tmp_path / "registry/stubborn.json").read_text())["pgid"]
+    start = time.monotonic()
+    assert provider.delete("stubborn", grace_s=0.2) is True
+    # It outlived the grace period (SIGTERM ignored), then SIGKILL ended it promptly.
+    assert 0.2 <= time.monotonic() - start < 5
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_second_instance_lists_and_deletes(provider, tmp_path):
+    labels = {"managed-by": "tpupipe", "flow-run": "abc"}
+    provider.create(_spec(tmp_path, "shared", SLEEPER, labels=labels))
+    other = LocalSliceProvider(tmp_path / "registry")
+    (seen,) = other.list({"flow-run": "abc"})
+    assert (seen.name, seen.state, seen.exit_code, seen.labels) == (
+        "shared",
+        SliceState.READY,
+        None,
+        labels,
+    )
+    pgid = json.loads((tmp_path / "registry/shared.json").read_text())["pgid"]
+    assert other.delete("shared", grace_s=1) is True
+    assert provider.status("shared").state is SliceState.NOT_FOUND  # and reaps its child
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert other.delete("shared") is False and provider.delete("shared") is False
+
+
+def test_slice_created_by_another_process(provider, tmp_path):
+    registry = tmp_path / "registry"
+    script = f"""
+        import sys
+        from infra.slices import LocalSliceProvider, SliceSpec
+        p = LocalSliceProvider({str(registry)!r})
+        for name, code in (("live", "import time; time.sleep(60)"), ("done", "pass")):
+            p.create(SliceSpec(name=name, devices=1, labels={{"k": "v"}},
+                               command=[sys.executable, "-c", code],
+                               log_path={str(tmp_path)!r} + "/" + name + ".log"))
+    """
+    subprocess.run(_py(script), check=True, cwd=Path(__file__).parents[1], timeout=30)
+    assert provider.status("live").state is SliceState.READY
+    done = _wait_for(lambda: (s := provider.status("done")).state is SliceState.TERMINATED and s)
+    assert done.exit_code is None  # not ours: the exit code is unknowable
+    assert {s.name for s in provider.list({"k": "v"})} == {"live", "done"}
+    pgid = json.loads((registry / "live.json").read_text())["pgid"]
+    assert provider.delete("live", grace_s=1) is True
+    assert _group_gone(pgid)
+    assert provider.delete("done") is True and provider.list() == []
+
+
+def test_list_filters_by_labels(provider, tmp_path):
+    provider.create(_spec(tmp_path, "a", SLEEPER, labels={"team": "a", "env": "x"}))
+    provider.create(_spec(tmp_path, "b", SLEEPER, labels={"team": "b", "env": "x"}))
+    assert [s.name for s in provider.list({"team": "a"})] == ["a"]
+    assert [s.name for s in provider.list({"env": "x"})] == ["a", "b"]
+    assert [s.name for s in provider.list()] == ["a", "b"]
+    assert provider.list({"team": "a", "env": "y"}) == []
+
+
+def test_spec_and_factory_validation(tmp_path):
+    with pytest.raises(ValueError, match="name"):
+        _spec(tmp_path, "Bad_Name", SLEEPER)
+    with pytest.raises(ValueError, match="argv"):
+        SliceSpec(name="x", devices=1, command="python -c pass", log_path="l")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="label"):
+        _spec(tmp_path, "x", SLEEPER, labels={"Owner": "me"})
+    p = build_provider("local", str(tmp_path))
+    assert isinstance(p, SliceProvider)
+    assert build_provider("local", str(tmp_path / "." / "")) is p
+    assert (tmp_path / "slices").is_dir()
+    with pytest.raises(SliceError, match="hosts=2"):
+        p.create(_spec(tmp_path, "multi", SLEEPER, hosts=2, devices=4))
+    with pytest.raises(ValueError, match="gcp"):
+        build_provider("gcp", str(tmp_path))
+
+
+def test_delete_unknown_is_false(provider):
+    assert provider.delete("never-existed") is False
+    assert provider.status("never-existed").state is SliceState.NOT_FOUND

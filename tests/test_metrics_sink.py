@@ -1,0 +1,173 @@
+"""The DuckDB metrics sink: schemas from the row models, idempotent and atomic landing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime, timedelta
+
+import pydantic
+import pytest
+
+from infra.metrics import (
+    DuckDBSink,
+    EvalMetricRow,
+    LandResult,
+    MetricsSink,
+    RunRow,
+    StepMetricRow,
+    build_sink,
+    table_schema,
+)
+
+T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def run_row(run_id: str = "run-1", **kw) -> RunRow:
+    fields = dict(
+        run_id=run_id,
+        run_name="tiny",
+        status="completed",
+        config_hash="c0ffee",
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at=T0,
+        run_dir=f"/runs/{run_id}",
+    )
+    return RunRow(**{**fields, **kw})
+
+
+def steps(run_id: str = "run-1", n: int = 5, offset: float = 0.0) -> list[StepMetricRow]:
+    return [
+        StepMetricRow(run_id=run_id, step=i, loss=10.0 - i + offset, recorded_at=T0)
+        for i in range(n)
+    ]
+
+
+def evals(run_id: str = "run-1") -> list[EvalMetricRow]:
+    return [EvalMetricRow(run_id=run_id, step=4, loss=2.5, tokens=128, recorded_at=T0)]
+
+
+@pytest.fixture
+def sink(tmp_path) -> DuckDBSink:
+    s = DuckDBSink(tmp_path / "nested" / "metrics.duckdb")
+    s.ensure_tables()
+    return s
+
+
+def counts(sink: DuckDBSink) -> tuple[int, int, int]:
+    return tuple(
+        sink.query(f"SELECT count(*) FROM {t}")[0][0]
+        for t in ("runs", "step_metrics", "eval_metrics")
+    )
+
+
+def test_schema_is_derived_from_the_models(sink):
+    assert [tuple(c) for c in table_schema(EvalMetricRow)] == [
+        ("run_id", "VARCHAR", False),
+        ("step", "BIGINT", False),
+        ("split", "VARCHAR", False),
+        ("loss", "DOUBLE", True),
+        ("bits_per_byte", "DOUBLE", True),
+        ("tokens", "BIGINT", False),
+        ("nonfinite", "BOOLEAN", False),
+        ("recorded_at", "TIMESTAMPTZ", False),
+    ]
+    names = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
+    for model in (RunRow, StepMetricRow, EvalMetricRow):
+        described = sink.query(f"DESCRIBE {model.table}")
+        expected = [(c.name, names.get(c.type, c.type), c.nullable) for c in table_schema(model)]
+        assert [(r[0], r[1], r[2] == "YES") for r in described] == expected
+        (pk,) = sink.query(
+            "SELECT constraint_column_names FROM duckdb_constraints() "
+            "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'",
+            [model.table],
+        )
+        assert tuple(pk[0]) == model.primary_key
+
+
+def test_landing_twice_leaves_one_copy(sink):
+    assert sink.land(run_row(), steps(), evals()) == LandResult(runs=1, steps=5, evals=1)
+    sink.land(run_row("run-2"), steps("run-2", 3), [])
+    assert sink.land(run_row(), steps(), evals()) == LandResult(runs=1, steps=5, evals=1)
+    assert counts(sink) == (2, 8, 1)
+    # A re-landing is the new truth: changed values replace, missing rows go.
+    sink.land(run_row(final_step=2), steps(n=3, offset=0.5), [])
+    assert sink.query("SELECT final_step FROM runs WHERE run_id = 'run-1'") == [(2,)]
+    assert sink.query("SELECT step, loss FROM step_metrics WHERE run_id = 'run-1'") == [
+        (0, 10.5),
+        (1, 9.5),
+        (2, 8.5),
+    ]
+    assert counts(sink) == (2, 6, 0)
+
+
+def test_duplicate_steps_last_one_wins(sink):
+    rerun = StepMetricRow(run_id="run-1", step=2, loss=42.0, recorded_at=T0 + timedelta(hours=1))
+    result = sink.land(run_row(), [*steps(), rerun], [*evals(), *evals()])
+    assert result == LandResult(runs=1, steps=5, evals=1)
+    assert sink.query("SELECT loss, recorded_at FROM step_metrics WHERE step = 2") == [
+        (42.0, T0 + timedelta(hours=1))
+    ]
+
+
+def test_nonfinite_values_become_null_with_flag(sink):
+    bad = StepMetricRow(run_id="run-1", step=7, loss=float("nan"), grad_norm="inf", recorded_at=T0)
+    assert (bad.loss, bad.grad_norm, bad.nonfinite) == (None, None, True)
+    ev = EvalMetricRow(run_id="run-1", step=7, loss=float("-inf"), tokens=1, recorded_at=T0)
+    run = run_row(eval_loss=float("nan"), train_loss_last=1.5)
+    sink.land(run, [*steps(), bad], [ev])
+    assert sink.query("SELECT loss, grad_norm, nonfinite FROM step_metrics WHERE step = 7") == [
+        (None, None, True)
+    ]
+    assert sink.query("SELECT count(*) FROM step_metrics WHERE nonfinite") == [(1,)]
+    assert sink.query("SELECT loss, nonfinite FROM eval_metrics") == [(None, True)]
+    assert sink.query("SELECT eval_loss, train_loss_last FROM runs") == [(None, 1.5)]
+    with pytest.raises(pydantic.ValidationError):
+        # Naive times are ambiguous; rows carry UTC instants only.
+        StepMetricRow(run_id="r", step=0, recorded_at=datetime(2025, 1, 1))
+
+
+def test_failure_mid_landing_keeps_previous_rows(sink, monkeypatch):
+    sink.land(run_row(), steps(), evals())
+    before = sink.query("SELECT * FROM step_metrics ORDER BY step")
+    real_insert = DuckDBSink._insert
+
+    def failing_insert(con, model, rows):
+        if model is StepMetricRow:  # deletes done and the runs row inserted by now
+            raise RuntimeError("disk full")
+        real_insert(con, model, rows)
+
+    monkeypatch.setattr(DuckDBSink, "_insert", staticmethod(failing_insert))
+    with pytest.raises(RuntimeError, match="disk full"):
+        sink.land(run_row(final_step=99), steps(n=2, offset=1.0), [])
+    assert sink.query("SELECT * FROM step_metrics ORDER BY step") == before
+    assert sink.query("SELECT final_step FROM runs") == [(None,)]
+    assert counts(sink) == (1, 5, 1)
+
+
+def test_rows_of_another_run_are_refused(sink):
+    with pytest.raises(ValueError, match="run-2"):
+        sink.land(run_row(), steps("run-2"), [])
+    assert counts(sink) == (0, 0, 0)
+
+
+def test_build_sink_and_waiting_for_another_process(tmp_path):
+    path = tmp_path / "m.duckdb"
+    sink = build_sink("duckdb", str(path))
+    assert isinstance(sink, MetricsSink)
+    with pytest.raises(ValueError, match="bigquery"):
+        build_sink("bigquery", str(path))
+    holder = textwrap.dedent(f"""
+        import duckdb, time
+        con = duckdb.connect({str(path)!r})
+        print("locked", flush=True)
+        time.sleep(0.5)
+        con.close()
+    """)
+    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout.readline().strip() == "locked"
+        sink.land(run_row(), steps(), [])  # waits for the other process's lock to go
+    assert p.returncode == 0
+    assert counts(sink) == (1, 5, 0)
