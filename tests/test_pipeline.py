@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,36 @@ def test_pipeline_shards_trains_verifies_evaluates_and_lands(tiny_run):
         os.kill(status["pid"], 0)
 
 
+def test_summary_artifact_describes_the_run(tiny_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    _, _, run = tiny_run
+
+    async def latest():
+        async with get_client() as client:
+            key = ArtifactFilterKey(any_=[f"run-{run.run_id}"])
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+
+    import asyncio
+
+    (artifact, *_) = asyncio.run(latest())
+    text = artifact.data
+    assert f"`{run.run_dir}`" in text and "eval bits per byte" in text
+    assert f"{run.train_loss_first:.4f} → {run.train_loss_last:.4f}" in text
+
+
+def test_evaluation_runs_alone_on_one_device(tiny_run):
+    """An orchestrator with one CPU device evaluates a checkpoint written by eight."""
+    _, _, run = tiny_run
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "workloads.evaluate", "--config", f"{run.run_dir}/config.json"],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert f"loss={run.eval_loss}" in out.stdout
+
+
 def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     from flows.pipeline import tpu_training_pipeline
 
@@ -87,14 +119,25 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     assert n == distinct
 
 
-def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness):
+def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkeypatch):
     """The watcher gives up while the workload is still running: teardown must kill it."""
     from flows.pipeline import tpu_training_pipeline
+    from infra.slices import LocalSliceProvider
     from tasks.training import WorkloadFailed
 
+    seen_at_teardown = []
+    real_delete = LocalSliceProvider.delete
+
+    def delete_and_record(self, name, grace_s=5.0):
+        seen_at_teardown.append(self.status(name).state.value)
+        return real_delete(self, name, grace_s)
+
+    monkeypatch.setattr(LocalSliceProvider, "delete", delete_and_record)
     config = tiny_config(tmp_path, "run_name=stalls", "slice.heartbeat_timeout_s=0.5")
     with pytest.raises(WorkloadFailed, match="heartbeat"):
         tpu_training_pipeline(config=config)
+    # The first delete clears leftovers before create; the teardown found it running.
+    assert seen_at_teardown[-1] == "READY"
     run_dir = tmp_path / "runs" / "stalls"
     assert _slices_left(tmp_path) == []
     assert processes_mentioning(str(run_dir / "config.json")) == []
