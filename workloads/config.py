@@ -100,6 +100,9 @@ class SliceConfig(_Strict):
         "local", description="'local': the workload as processes over virtual CPU devices."
     )
     devices: int = Field(8, ge=1, le=256, description="Devices in the slice.")
+    hosts: int = Field(
+        1, ge=1, le=64, description="Hosts (one JAX process each) the devices are spread over."
+    )
     poll_interval_s: float = Field(1.0, gt=0, description="Seconds between slice state checks.")
     heartbeat_timeout_s: float = Field(
         600.0, gt=0, description="A running workload silent this long is treated as failed."

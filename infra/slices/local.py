@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -41,9 +42,43 @@ _KILL_WAIT_S = 10.0
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
+# Exit codes after which the other hosts are still finishing (a clean exit or a
+# preemption save): the slice only ends once every host has exited.
+_ORDERLY_EXITS = (0, 75)
+
+
+class _HostGroup:
+    """The processes of a slice's hosts, seen as one Popen-like job led by host 0."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self.pid = procs[0].pid
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [p.returncode for p in self.procs]
+        # A host that crashed leaves the others blocked in collectives: report it at once.
+        failed = next((c for c in codes if c is not None and c not in _ORDERLY_EXITS), None)
+        if failed is not None:
+            return failed
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def poll(self) -> int | None:
+        for p in self.procs:
+            p.poll()
+        return self.returncode
+
+    def wait(self) -> int | None:
+        for p in self.procs:
+            p.wait()
+        return self.returncode
+
+
 @dataclass
 class _Owned:
-    proc: subprocess.Popen
+    proc: _HostGroup
     record: dict[str, Any]
 
 
@@ -111,7 +146,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _wait_gone(pgid: int, proc: subprocess.Popen | None, timeout_s: float) -> bool:
+def _wait_gone(pgid: int, proc: _HostGroup | None, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None:
@@ -123,20 +158,37 @@ def _wait_gone(pgid: int, proc: subprocess.Popen | None, timeout_s: float) -> bo
         time.sleep(_POLL_S)
 
 
-def workload_env(spec: SliceSpec, host: int = 0) -> dict[str, str]:
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_log_path(log_path: str, host: int) -> Path:
+    """Host 0 logs to `log_path`; host i to `<stem>-host<i><suffix>` beside it."""
+    path = Path(log_path)
+    return path if host == 0 else path.with_name(f"{path.stem}-host{host}{path.suffix}")
+
+
+def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None) -> dict[str, str]:
     """The environment of the workload process for `host` of the slice.
 
     Args:
         spec: the slice spec; its env overrides this process's environment.
-        host: host index. Multi-host slices will add JAX_PROCESS_ID, JAX_NUM_PROCESSES and
-            the coordinator address here, one process per host, all in one process group.
+        host: host index: one process per host, each with devices/hosts virtual devices.
+        coordinator: `host:port` of the JAX coordinator (host 0) when hosts > 1.
 
     Returns:
         os.environ + spec.env, with the virtual device count merged into XLA_FLAGS (any
-        earlier device-count flag replaced, other flags kept) and JAX_PLATFORMS=cpu.
+        earlier device-count flag replaced, other flags kept), JAX_PLATFORMS=cpu, and for
+        several hosts TPUPIPE_COORDINATOR_ADDRESS, TPUPIPE_NUM_PROCESSES and
+        TPUPIPE_PROCESS_ID, which the workload passes to `jax.distributed.initialize`.
     """
-    del host  # only host 0 exists until multi-host lands
     env = {**os.environ, **spec.env}
+    if spec.hosts > 1:
+        env["TPUPIPE_COORDINATOR_ADDRESS"] = coordinator or f"127.0.0.1:{_free_port()}"
+        env["TPUPIPE_NUM_PROCESSES"] = str(spec.hosts)
+        env["TPUPIPE_PROCESS_ID"] = str(host)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
     flags.append(f"{_DEVICE_FLAG}={spec.devices // spec.hosts}")
     env["XLA_FLAGS"] = " ".join(flags)
@@ -161,10 +213,10 @@ class LocalSliceProvider:
             SliceError: hosts != 1, or a live slice of that name exists.
             ProvisioningError: the command could not be started.
         """
-        if spec.hosts != 1:
+        if spec.devices % spec.hosts:
             raise SliceError(
-                f"slice {spec.name!r}: the local provider runs one host for now "
-                f"(hosts={spec.hosts}); multi-host on one machine is not implemented yet"
+                f"slice {spec.name!r}: devices={spec.devices} cannot be split evenly over "
+                f"hosts={spec.hosts}"
             )
         with self._registry_lock():
             old, old_proc = self._lookup(spec.name)
@@ -178,24 +230,11 @@ class LocalSliceProvider:
                 self._kill_group(spec.name, old, old_proc, grace_s=0.0)
             log_path = Path(spec.log_path)
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                # Append: a re-provisioned attempt keeps the log of the one before it.
-                with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(
-                        spec.command,
-                        start_new_session=True,  # own process group: delete kills it whole
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=workload_env(spec),
-                    )
-            except OSError as e:
-                raise ProvisioningError(
-                    f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
-                ) from e
+            proc = self._start_hosts(spec)
             record = {
                 "name": spec.name,
                 "pid": proc.pid,
+                "pids": [p.pid for p in proc.procs],
                 "pgid": proc.pid,  # a new session's leader: pgid == pid
                 "start_ticks": _start_ticks(proc.pid),
                 "labels": spec.labels,
@@ -215,6 +254,37 @@ class LocalSliceProvider:
             with self._lock:
                 self._owned[spec.name] = _Owned(proc, record)
         return SliceStatus(spec.name, SliceState.READY, None, dict(spec.labels))
+
+    @staticmethod
+    def _start_hosts(spec: SliceSpec) -> _HostGroup:
+        """One process per host, all in one new process group so a delete kills them all."""
+        coordinator = f"127.0.0.1:{_free_port()}" if spec.hosts > 1 else None
+        procs: list[subprocess.Popen] = []
+        try:
+            for host in range(spec.hosts):
+                # Append: a re-provisioned attempt keeps the log of the one before it.
+                with open(host_log_path(spec.log_path, host), "ab") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            spec.command,
+                            # Host 0 leads a new session; the others join its group.
+                            start_new_session=host == 0,
+                            process_group=procs[0].pid if procs else None,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=workload_env(spec, host, coordinator),
+                        )
+                    )
+        except OSError as e:
+            if procs:
+                _signal_group(procs[0].pid, signal.SIGKILL)
+                for p in procs:
+                    p.wait()
+            raise ProvisioningError(
+                f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
+            ) from e
+        return _HostGroup(procs)
 
     def status(self, name: str) -> SliceStatus:
         """READY while the group runs, TERMINATED after (exit code if we own it), else NOT_FOUND."""
@@ -293,7 +363,7 @@ class LocalSliceProvider:
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
         os.replace(tmp, self._path(record["name"]))
 
-    def _lookup(self, name: str) -> tuple[dict[str, Any] | None, subprocess.Popen | None]:
+    def _lookup(self, name: str) -> tuple[dict[str, Any] | None, _HostGroup | None]:
         """The slice's record and, if this instance started that incarnation, its Popen."""
         record = self._read_record(name)
         with self._lock:
@@ -315,7 +385,7 @@ class LocalSliceProvider:
 
     @staticmethod
     def _kill_group(
-        name: str, record: dict[str, Any], proc: subprocess.Popen | None, grace_s: float
+        name: str, record: dict[str, Any], proc: _HostGroup | None, grace_s: float
     ) -> None:
         pgid = record["pgid"]
         if not _is_our_group(record):
@@ -334,7 +404,7 @@ class LocalSliceProvider:
 
     @staticmethod
     def _state(
-        record: dict[str, Any], proc: subprocess.Popen | None
+        record: dict[str, Any], proc: _HostGroup | None
     ) -> tuple[SliceState, int | None]:
         if proc is not None:
             code = proc.poll()
