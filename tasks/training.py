@@ -58,6 +58,7 @@ def provision_slice(config: PipelineConfig, plan: RunPlan, config_path: str) -> 
         name=plan.slice_name,
         labels=slice_labels(plan),
         devices=config.slice.devices,
+        hosts=config.slice.hosts,
         command=workload_command(config_path),
         env={},
         log_path=f"{plan.run_dir}/logs/{plan.slice_name}.log",

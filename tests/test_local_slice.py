@@ -194,8 +194,8 @@ def test_spec_and_factory_validation(tmp_path):
     assert isinstance(p, SliceProvider)
     assert build_provider("local", str(tmp_path / "." / "")) is p
     assert (tmp_path / "slices").is_dir()
-    with pytest.raises(SliceError, match="hosts=2"):
-        p.create(_spec(tmp_path, "multi", SLEEPER, hosts=2, devices=4))
+    with pytest.raises(SliceError, match="devices=3 cannot be split evenly over hosts=2"):
+        p.create(_spec(tmp_path, "multi", SLEEPER, hosts=2, devices=3))
     with pytest.raises(ValueError, match="gcp"):
         build_provider("gcp", str(tmp_path))
 
@@ -203,3 +203,57 @@ def test_spec_and_factory_validation(tmp_path):
 def test_delete_unknown_is_false(provider):
     assert provider.delete("never-existed") is False
     assert provider.status("never-existed").state is SliceState.NOT_FOUND
+
+
+HOST = """
+import json, os, sys, time
+out = {k: os.environ.get(k) for k in
+       ("XLA_FLAGS", "TPUPIPE_PROCESS_ID", "TPUPIPE_NUM_PROCESSES", "TPUPIPE_COORDINATOR_ADDRESS")}
+out["pgid"] = os.getpgid(0)
+with open(os.path.join(sys.argv[1], "host" + out["TPUPIPE_PROCESS_ID"] + ".json"), "w") as f:
+    json.dump(out, f)
+if out["TPUPIPE_PROCESS_ID"] == sys.argv[2]:
+    sys.exit(int(sys.argv[3]))
+time.sleep(60)
+"""
+
+
+def _hosts_spec(tmp_path: Path, name: str, failing_host: int, code: int) -> SliceSpec:
+    command = [sys.executable, "-c", HOST, str(tmp_path), str(failing_host), str(code)]
+    return SliceSpec(
+        name=name, devices=8, hosts=2, command=command, log_path=str(tmp_path / f"{name}.log")
+    )
+
+
+def test_multi_host_slice_is_one_group_with_a_coordinator(provider, tmp_path):
+    provider.create(_hosts_spec(tmp_path, "two-hosts", failing_host=-1, code=0))
+    hosts = [
+        json.loads(
+            _wait_for(
+                lambda i=i: (
+                    (tmp_path / f"host{i}.json").exists()
+                    and (tmp_path / f"host{i}.json").read_text()
+                )
+            )
+        )
+        for i in range(2)
+    ]
+    assert [h["TPUPIPE_PROCESS_ID"] for h in hosts] == ["0", "1"]
+    assert {h["TPUPIPE_NUM_PROCESSES"] for h in hosts} == {"2"}
+    assert hosts[0]["TPUPIPE_COORDINATOR_ADDRESS"] == hosts[1]["TPUPIPE_COORDINATOR_ADDRESS"]
+    assert all("device_count=4" in h["XLA_FLAGS"] for h in hosts)  # 8 devices over 2 hosts
+    assert hosts[0]["pgid"] == hosts[1]["pgid"]
+    assert (tmp_path / "two-hosts-host1.log").exists()
+    assert provider.status("two-hosts").state is SliceState.READY
+    assert provider.delete("two-hosts", grace_s=0.5) is True
+    assert _group_gone(hosts[0]["pgid"])
+
+
+def test_a_crashed_host_ends_the_slice_at_once(provider, tmp_path):
+    """Host 1 crashes while host 0 would wait for it forever: the slice reports the crash."""
+    provider.create(_hosts_spec(tmp_path, "one-crashes", failing_host=1, code=3))
+    status = _wait_for(
+        lambda: (s := provider.status("one-crashes")).state is SliceState.TERMINATED and s
+    )
+    assert status.exit_code == 3
+    provider.delete("one-crashes", grace_s=0.5)

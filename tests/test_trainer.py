@@ -8,7 +8,7 @@ import pytest
 
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
 from workloads.model import Transformer
-from workloads.train import NonFiniteError, _metric_rows
+from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
     create_train_state,
     lr_schedule,
@@ -91,4 +91,6 @@ def test_padding_rows_of_the_vocab_get_no_probability():
 def test_non_finite_loss_stops_with_a_clear_error():
     pending = [(7, {"loss": np.float32("nan"), "grad_norm": np.float32(1.0), "tokens": 8.0})]
     with pytest.raises(NonFiniteError, match=r"step 7: loss=nan .* not finite"):
-        _metric_rows(pending, lr_schedule(TRAIN), 1.0)
+        window = MetricsWindow(lr_schedule(TRAIN), 1e6, 1e9)
+        window.pending = pending
+        window.flush()

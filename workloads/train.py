@@ -3,7 +3,7 @@
 This is the whole interface between the orchestrator and a slice: the workload reads its
 resolved config, resumes from the newest committed checkpoint, trains, and reports through
 the run directory (`status.json`, `metrics.jsonl`, checkpoints). It needs neither Prefect nor
-any cloud SDK.
+any cloud SDK. Every host of a slice runs this same module; host 0 writes the reports.
 
 Exit codes: 0 finished; 1 a bug or bad state (never retried); PREEMPTED_EXIT after a SIGTERM
 (a preemption notice) once the current step has been saved.
@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
+from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none
+from workloads.step_metrics import MetricsWindow
 from workloads.trainer import (
     create_train_state,
     lr_schedule,
@@ -34,10 +37,6 @@ from workloads.trainer import (
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again", distinct from a crash
 log = logging.getLogger("workloads.train")
-
-
-class NonFiniteError(RuntimeError):
-    """Loss or gradient norm became NaN/Inf: the run stops and nothing bad is saved."""
 
 
 class PreemptionNotice:
@@ -54,6 +53,24 @@ class PreemptionNotice:
         self.received = True
 
 
+def init_distributed(env: Mapping[str, str] = os.environ) -> None:
+    """Join the slice's other hosts, if there are any.
+
+    The local provider passes the coordinator explicitly (CPU collectives over gloo); on a
+    Cloud TPU slice `TPUPIPE_DISTRIBUTED=auto` lets JAX discover its peers itself.
+    """
+    processes = int(env.get("TPUPIPE_NUM_PROCESSES", "1"))
+    if processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=env["TPUPIPE_COORDINATOR_ADDRESS"],
+            num_processes=processes,
+            process_id=int(env["TPUPIPE_PROCESS_ID"]),
+        )
+    elif env.get("TPUPIPE_DISTRIBUTED") == "auto":
+        jax.distributed.initialize()
+
+
 def configure_compile_cache(cache_dir: str | None) -> None:
     """Share compiled programs between attempts: a resumed attempt skips recompiling."""
     if not cache_dir:
@@ -63,37 +80,29 @@ def configure_compile_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def _metric_rows(pending: list, schedule, window_s: float) -> list[dict[str, Any]]:
-    """Fetch a window of device metrics in one transfer and check them."""
-    fetched = jax.device_get([m for _, m in pending])
-    per_step = window_s / len(pending)
-    rows = []
-    for (step, _), m in zip(pending, fetched, strict=True):
-        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise NonFiniteError(
-                f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopping "
-                "without saving this state (lower train.learning_rate or check the data)"
-            )
-        rows.append(
-            {
-                "step": step,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "learning_rate": float(schedule(step - 1)),
-                "step_time_s": per_step,
-                "tokens_per_s": float(m["tokens"]) / per_step if per_step > 0 else None,
-                "time": time.time(),
-            }
-        )
-    return rows
+class _Reporter:
+    """Writes status and metrics from host 0 only, so hosts never race on the same files."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.rd = RunDir(run_dir)
+        self.primary = jax.process_index() == 0
+
+    def status(self, phase: str, **fields: Any) -> None:
+        if self.primary:
+            self.rd.write_status(phase, **fields)
+
+    def metrics(self, rows: list[dict[str, Any]]) -> None:
+        if self.primary:
+            self.rd.append_metrics(rows)
 
 
 def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     """Train until `train.steps` (resuming if checkpoints exist); returns the exit code."""
-    cfg, rd = wcfg.pipeline, RunDir(wcfg.run_dir)
+    started = time.perf_counter()
+    cfg, report = wcfg.pipeline, _Reporter(wcfg.run_dir)
     notice = notice or PreemptionNotice()
-    rd.write_status("starting", step=None)
+    compiles = CompileCounter()
+    report.status("starting", step=None)
     configure_compile_cache(wcfg.compile_cache_dir)
     info = input.dataset_info(wcfg.dataset_dir)
     mesh = make_mesh(cfg.mesh)
@@ -109,6 +118,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     mngr = checkpoint.make_manager(wcfg.run_dir, keep=cfg.train.keep_checkpoints)
     start = mngr.latest_step() or 0
     if start:
+        report.status("restoring", step=start)
         arrays, data_state, meta = checkpoint.restore(mngr, start, arrays)
         if meta["config_hash"] != wcfg.config_hash:
             raise checkpoint.CheckpointError(
@@ -117,40 +127,53 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             )
         input.restore_iterator_state(data, data_state)
         log.info("resumed from step %d", start)
+    peak = slice_peak(cfg.model.dtype)
+    window = MetricsWindow(
+        lr_schedule(cfg.train),
+        model_flops_per_token(cfg.model, info.vocab_size, info.seq_len),
+        peak.flops_per_s,
+    )
     step_fn = make_train_step(state.graphdef, mesh)
-    schedule = lr_schedule(cfg.train)
     total, every = cfg.train.steps, cfg.train.checkpoint_every
-    pending: list = []
-    window_start = time.perf_counter()
-    last_saved = start
-    step = start
-    rd.write_status("training", step=start, last_checkpoint=start or None)
+    step = last_saved = start
+    if notice.received:  # noticed during start-up: nothing new to save
+        report.status("preempted", step=start, last_checkpoint=start or None)
+        return PREEMPTED_EXIT
+    report.status("compiling", step=start, last_checkpoint=start or None, peak=peak.source)
     while step < total:
         step += 1
         arrays, metrics = step_fn(arrays, place_batch(next(data), mesh))
-        pending.append((step, metrics))
-        save_now = step % every == 0 or step == total or notice.received
+        window.add(step, metrics)
+        # Read the flag once: a signal landing mid-iteration must not skip the save below
+        # yet still take the exit, or the exit would claim a step that was never saved.
+        preempted = notice.received
+        save_now = step % every == 0 or step == total or preempted
         if save_now or step % cfg.train.log_every == 0 or step == start + 1:
-            rows = _metric_rows(pending, schedule, time.perf_counter() - window_start)
-            pending, window_start = [], time.perf_counter()
-            if jax.process_index() == 0:
-                rd.append_metrics(rows)
+            rows = window.flush()  # raises NonFiniteError before a bad state is saved
+            if step == start + 1:
+                rows[0].update(
+                    startup_s=time.perf_counter() - started,
+                    compile_cache_hits=compiles.hits,
+                    compile_cache_misses=compiles.misses,
+                    resumed_from=start,
+                )
+            report.metrics(rows)
             loss = finite_or_none(rows[-1]["loss"])
-            rd.write_status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
+            report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
         if save_now:
             checkpoint.save(
                 mngr, step, arrays, input.iterator_state_to_json(data), wcfg.config_hash
             )
             last_saved = step
-        if notice.received:
-            rd.write_status("saving", step=step, last_checkpoint=step)
+        if preempted:
+            report.status("saving", step=step, last_checkpoint=step)
             mngr.wait_until_finished()
             mngr.close()
-            rd.write_status("preempted", step=step, last_checkpoint=step)
+            report.status("preempted", step=step, last_checkpoint=step)
             return PREEMPTED_EXIT
     mngr.wait_until_finished()
     mngr.close()
-    rd.write_status("finished", step=step, last_checkpoint=last_saved or None)
+    report.status("finished", step=step, last_checkpoint=last_saved or None)
     return 0
 
 
@@ -162,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from etils import epath
 
-    wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
     notice = PreemptionNotice()
-    notice.install()
+    notice.install()  # before the slow imports and start-up: a notice then is not lost
+    wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
     try:
+        init_distributed()
         return run(wcfg, notice)
     except Exception as exc:
         RunDir(wcfg.run_dir).write_status("failed", error=f"{type(exc).__name__}: {exc}")

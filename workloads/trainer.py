@@ -19,10 +19,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from workloads.config import MeshConfig, ModelConfig, TrainConfig
+from workloads.config import MESH_AXES, MeshConfig, ModelConfig, TrainConfig
 from workloads.model import BATCH_AXES, Transformer, token_losses
 
-MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 

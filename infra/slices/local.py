@@ -235,7 +235,7 @@ class LocalSliceProvider:
                 "name": spec.name,
                 "pid": proc.pid,
                 "pids": [p.pid for p in proc.procs],
-                "pgid": proc.pid,  # a new session's leader: pgid == pid
+                "pgid": proc.pid,  # host 0 leads the group: pgid == its pid
                 "start_ticks": _start_ticks(proc.pid),
                 "labels": spec.labels,
                 "devices": spec.devices,
@@ -267,9 +267,9 @@ class LocalSliceProvider:
                     procs.append(
                         subprocess.Popen(
                             spec.command,
-                            # Host 0 leads a new session; the others join its group.
-                            start_new_session=host == 0,
-                            process_group=procs[0].pid if procs else None,
+                            # Host 0 leads a new process group and the others join it
+                            # (a group in another session could not be joined).
+                            process_group=procs[0].pid if procs else 0,
                             stdin=subprocess.DEVNULL,
                             stdout=log,
                             stderr=subprocess.STDOUT,

@@ -1,0 +1,100 @@
+"""Model FLOPs per token, the hardware's peak, and model FLOPs utilisation (MFU).
+
+On TPU the peak comes from a table of bf16 FLOP/s per chip; on CPU it is measured at
+start-up with a matmul in the compute dtype, because a CPU's peak depends on the machine
+and on how many cores are free. Virtual CPU devices share the host's cores, so the host's
+peak is what one device's matmul reaches, whatever the device count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from workloads.config import ModelConfig, padded_vocab_size
+
+# Peak dense bf16 FLOP/s per chip, from Cloud TPU's published system specifications
+# (cloud.google.com/tpu/docs/system-architecture-tpu-vm, read 2026-11).
+TPU_PEAK_BF16_FLOPS = {
+    "v2": 45e12,
+    "v3": 123e12,
+    "v4": 275e12,
+    "v5 lite": 197e12,  # v5e: device_kind "TPU v5 lite"
+    "v5e": 197e12,
+    "v5p": 459e12,
+    "v5": 459e12,
+    "v6 lite": 918e12,  # v6e (Trillium): device_kind "TPU v6 lite"
+    "v6e": 918e12,
+}
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s of the whole slice and where the figure came from."""
+
+    flops_per_s: float
+    source: str  # "table:<kind>" or "measured:<dtype> matmul"
+
+
+def model_flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 3x the forward pass's matmuls (forward + backward).
+
+    Counts the QKV, output, MLP and logit projections (2 FLOPs per multiply-add) and the
+    attention scores and context over `seq_len` keys, as in the PaLM paper's appendix B.
+    """
+    d, ff, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
+    per_layer = 2 * (3 * d * d + d * d + 2 * d * ff) + 2 * 2 * seq_len * d
+    forward = layers * per_layer + 2 * d * padded_vocab_size(vocab_size)
+    return 3.0 * forward
+
+
+def tpu_peak(device_kind: str, chips: int) -> Peak | None:
+    """Peak of `chips` TPU chips of `device_kind` (e.g. "TPU v5 lite"), or None if unknown."""
+    kind = device_kind.lower().removeprefix("tpu").strip()
+    for name in sorted(TPU_PEAK_BF16_FLOPS, key=len, reverse=True):
+        if kind.startswith(name):
+            return Peak(TPU_PEAK_BF16_FLOPS[name] * chips, f"table:{name}")
+    return None
+
+
+def measure_matmul_peak(dtype: str = "bfloat16", size: int = 1024, repeats: int = 8) -> Peak:
+    """FLOP/s of a square matmul on one local device: the best of several timed runs."""
+    device = jax.local_devices()[0]
+    key = jax.random.key(0)
+    a = jax.device_put(jax.random.normal(key, (size, size), jnp.dtype(dtype)), device)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()  # compile outside the timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return Peak(2.0 * size**3 / best, f"measured:{dtype} matmul")
+
+
+def slice_peak(compute_dtype: str) -> Peak:
+    """The slice's peak: the TPU table on TPU, a measured matmul elsewhere."""
+    device = jax.devices()[0]
+    if device.platform == "tpu":
+        peak = tpu_peak(device.device_kind, jax.device_count())
+        if peak is not None:
+            return peak
+    return measure_matmul_peak(compute_dtype)
+
+
+class CompileCounter:
+    """Counts persistent compilation cache hits and misses in this process."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            self.misses += 1

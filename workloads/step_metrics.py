@@ -1,0 +1,71 @@
+"""Step metrics, fetched from the devices in windows and checked before they are trusted.
+
+Fetching a scalar every step would stall the device pipeline; the loop instead keeps the
+device arrays of a window of steps and fetches them together, at log and checkpoint steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import optax
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradient norm became NaN/Inf: the run stops and nothing bad is saved."""
+
+
+class MetricsWindow:
+    """Device metrics of the steps since the last flush, and what they cost in time."""
+
+    def __init__(
+        self, schedule: optax.Schedule, flops_per_token: float, peak_flops_per_s: float
+    ) -> None:
+        self.schedule = schedule
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_per_s
+        self.pending: list[tuple[int, dict]] = []
+        self.started = time.perf_counter()
+
+    def add(self, step: int, metrics: dict) -> None:
+        """Remember a step's (still on-device) metrics."""
+        self.pending.append((step, metrics))
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Fetch the window in one transfer, check it, and return one row per step.
+
+        Raises:
+            NonFiniteError: naming the first step whose loss or gradient norm is NaN/Inf.
+        """
+        fetched = jax.device_get([m for _, m in self.pending])
+        now = time.perf_counter()
+        per_step = (now - self.started) / max(len(self.pending), 1)
+        rows = [
+            self._row(step, m, per_step) for (step, _), m in zip(self.pending, fetched, strict=True)
+        ]
+        self.pending, self.started = [], now
+        return rows
+
+    def _row(self, step: int, m: dict, step_time_s: float) -> dict[str, Any]:
+        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteError(
+                f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopping "
+                "without saving this state (lower train.learning_rate or check the data)"
+            )
+        tokens_per_s = float(m["tokens"]) / step_time_s if step_time_s > 0 else None
+        model_flops = self.flops_per_token * tokens_per_s if tokens_per_s else None
+        return {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": float(self.schedule(step - 1)),
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "model_flops_per_token": self.flops_per_token,
+            "mfu": model_flops / self.peak if model_flops and self.peak else None,
+            "time": time.time(),
+        }
