@@ -86,12 +86,24 @@ def slice_peak(compute_dtype: str) -> Peak:
 
 
 class CompileCounter:
-    """Counts persistent compilation cache hits and misses in this process."""
+    """Persistent compilation cache hits and misses in this process, and the seconds spent
+    getting executables: XLA compiles on a miss, cache reads on a hit (tracing excluded)."""
+
+    _DURATIONS = (
+        "/jax/core/compile/backend_compile_duration",
+        "/jax/compilation_cache/cache_retrieval_time_sec",
+    )
 
     def __init__(self) -> None:
         self.hits = 0
         self.misses = 0
+        self.compile_s = 0.0
         jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+        if event in self._DURATIONS:
+            self.compile_s += duration
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event == "/jax/compilation_cache/cache_hits":

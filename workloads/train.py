@@ -155,6 +155,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                     startup_s=time.perf_counter() - started,
                     compile_cache_hits=compiles.hits,
                     compile_cache_misses=compiles.misses,
+                    compile_s=compiles.compile_s,
                     resumed_from=start,
                 )
             report.metrics(rows)

@@ -1,0 +1,192 @@
+"""Benchmark of the training workload on one device, every figure a ratio measured side by side.
+
+    .venv/bin/python bench/workload.py [--model small] [--steps 40] [--out FILE]
+
+Each measurement runs in its own process (so in-memory compile caches cannot help), with one
+CPU device, in float32 so the model's FLOP/s compare with a float32 matmul peak:
+
+- model FLOP/s of the workload ÷ the measured matmul peak (goal ≥ 0.80 for `small`);
+- the workload's tokens/s ÷ a minimal Flax NNX loop of the same model (goal ≥ 0.95);
+- tokens/s with async checkpoints every K steps ÷ without (goal ≥ 0.97);
+- first-step compile time of an attempt with a warm compilation cache ÷ a cold one (≤ 0.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _config(root: Path, model: str, steps: int, every: int, name: str):
+    from workloads.config import PipelineConfig
+
+    return PipelineConfig(
+        run_name=name,
+        dataset={"sources": ["stdlib"], "seq_len": 256, "max_bytes": 8_000_000},
+        model={"size": model, "dtype": "float32", "max_seq_len": 256},
+        train={
+            "steps": steps,
+            "batch_size": 8,
+            "checkpoint_every": every,
+            "log_every": 5,
+            "warmup_steps": 2,
+        },
+        mesh={"data": 1, "fsdp": 1, "tensor": 1},
+        slice={"devices": 1},
+        storage={"root": str(root)},
+    )
+
+
+def _child(args: list[str]) -> str:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        raise RuntimeError(f"{args} failed:\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def _workload(root: Path, model: str, steps: int, every: int, name: str, cache: Path) -> dict:
+    """Run the real workload once; its tokens/s (steady windows) and first-step seconds."""
+    from tasks.plan import plan_run, write_workload_config
+    from workloads import data
+    from workloads.rundir import RunDir
+
+    cfg = _config(root, model, steps, every, name)
+    plan = plan_run(cfg).model_copy(update={"compile_cache_dir": str(cache)})
+    dataset = data.shard_dataset(cfg.dataset, plan.datasets_root)
+    path = write_workload_config(cfg, plan, dataset.dataset_dir)
+    _child(["-m", "workloads.train", "--config", path])
+    rows = RunDir(plan.run_dir).read_metrics()
+    first, steady = rows[0], [r for r in rows[1:] if r["step"] > 5]
+    step_s = sum(r["step_time_s"] for r in steady) / len(steady)
+    return {
+        "tokens_per_s": cfg.train.batch_size * cfg.dataset.seq_len / step_s,
+        "step_s": step_s,
+        "compile_s": first["compile_s"],  # XLA compiles + cache reads, not tracing
+        "first_step_s": first["step_time_s"],
+        "flops_per_token": first["model_flops_per_token"],
+        "cache_hits": first["compile_cache_hits"],
+    }
+
+
+def minimal_loop(model: str, steps: int) -> None:
+    """A bare Flax NNX loop of the same model: random batches, no sharding, no metrics."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from workloads.model import Transformer, token_losses
+
+    cfg = _config(Path("/tmp"), model, steps, steps, "minimal")
+    mesh = jax.make_mesh(
+        (1, 1, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
+    )
+    with jax.set_mesh(mesh):  # the model's partitioning annotations need a mesh
+        net = Transformer(cfg.model, 257, rngs=nnx.Rngs(0))
+        opt = nnx.Optimizer(net, optax.adamw(1e-3), wrt=nnx.Param)
+    b, s = cfg.train.batch_size, cfg.dataset.seq_len
+    toks = jax.random.randint(jax.random.key(0), (b, s + 1), 0, 256)
+    batch = {
+        "inputs": toks[:, :-1],
+        "targets": toks[:, 1:],
+        "segment_ids": jnp.ones((b, s), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(s), (b, s)),
+        "weights": jnp.ones((b, s), jnp.float32),
+    }
+
+    @nnx.jit
+    def step(net, opt, batch):
+        def loss_fn(net):
+            nll, w = token_losses(net, batch)
+            return (nll * w).sum() / w.sum()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(net)
+        opt.update(net, grads)
+        return loss
+
+    with jax.set_mesh(mesh):
+        for _ in range(5):
+            step(net, opt, batch).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step(net, opt, batch)
+        loss.block_until_ready()
+    print(json.dumps({"tokens_per_s": b * s * steps / (time.perf_counter() - start)}))
+
+
+def peak() -> None:
+    """The float32 matmul peak of one device."""
+    from workloads.perf import measure_matmul_peak
+
+    print(json.dumps({"flops_per_s": measure_matmul_peak("float32", 2048, 5).flops_per_s}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", choices=["minimal", "peak"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child == "minimal":
+        return minimal_loop(args.model, args.steps) or 0
+    if args.child == "peak":
+        return peak() or 0
+
+    me = [str(Path(__file__).resolve()), "--model", args.model, "--steps", str(args.steps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root, cache = Path(tmp), Path(tmp) / "compile_cache"
+        peak_f = json.loads(_child([*me, "--child", "peak"]))["flops_per_s"]
+        minimal = json.loads(_child([*me, "--child", "minimal"]))["tokens_per_s"]
+        cold = _workload(root, args.model, args.steps, 10_000, "no-ckpt", cache)
+        ckpt = _workload(root, args.model, args.steps, args.every, "ckpt", cache)
+        warm = _workload(root, args.model, args.steps, 10_000, "warm", cache)
+    figures = {
+        "model_flops_over_matmul_peak": cold["flops_per_token"] * cold["tokens_per_s"] / peak_f,
+        "workload_over_minimal_loop": cold["tokens_per_s"] / minimal,
+        "async_ckpt_over_none": ckpt["tokens_per_s"] / cold["tokens_per_s"],
+        "warm_compile_over_cold": warm["compile_s"] / cold["compile_s"],
+    }
+    goals = {
+        "model_flops_over_matmul_peak": ">= 0.80",
+        "workload_over_minimal_loop": ">= 0.95",
+        "async_ckpt_over_none": ">= 0.97",
+        "warm_compile_over_cold": "<= 0.20",
+    }
+    result = {
+        "model": args.model,
+        "steps": args.steps,
+        "checkpoint_every": args.every,
+        "peak_flops_per_s": peak_f,
+        "minimal_tokens_per_s": minimal,
+        "runs": {"cold_no_ckpt": cold, "ckpt": ckpt, "warm_cache": warm},
+        "figures": figures,
+        "goals": goals,
+    }
+    print("| figure | value | goal |\n|---|---|---|")
+    for key, value in figures.items():
+        print(f"| {key} | {value:.3f} | {goals[key]} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
