@@ -65,7 +65,7 @@ def test_verify_refuses_non_finite_parameters(tmp_path, state):
     kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
     kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
     save(tmp_path, 10, state.arrays)
-    with pytest.raises(checkpoint.CheckpointError, match=r"'up'.*NaN or Inf"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"'up'.*NaN or Inf.*quarantine"):
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
 
 
@@ -73,3 +73,48 @@ def test_an_uncommitted_step_is_never_the_latest(tmp_path, state):
     save(tmp_path, 5, state.arrays)
     (tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-123").mkdir()
     assert checkpoint.latest_step(str(tmp_path)) == 5
+
+
+def _restore_newest(run_dir, arrays, config_hash="h1"):
+    mngr = checkpoint.make_manager(str(run_dir))
+    try:
+        return checkpoint.restore_newest_valid(mngr, str(run_dir), arrays, config_hash)
+    finally:
+        mngr.close()
+
+
+def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(tmp_path, state):
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+    files = [p for p in (tmp_path / "checkpoints" / "10" / "state").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    step, arrays, data_state = _restore_newest(tmp_path, state.arrays)
+    assert step == 5 and data_state == {"next_index": 40}
+    for a, b in zip(jax.tree.leaves(state.arrays), jax.tree.leaves(arrays), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    assert moved.name.startswith("10-")
+    assert "does not restore" in (moved / "QUARANTINED.txt").read_text()
+    # A second attempt resumes from the same place: no crash loop on the bad step.
+    assert _restore_newest(tmp_path, state.arrays)[0] == 5
+
+
+def test_non_finite_or_foreign_checkpoints_are_never_resumed(tmp_path, state):
+    save(tmp_path, 5, state.arrays, config_hash="other-config")
+    kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
+    original = kernel[...]
+    kernel[...] = original.at[0, 0].set(jnp.nan)
+    save(tmp_path, 10, state.arrays)
+    kernel[...] = original
+
+    step, arrays, data_state = _restore_newest(tmp_path, state.arrays)
+    assert (step, data_state) == (0, None)
+    assert arrays is state.arrays  # nothing valid: the fresh state, untouched
+    reasons = sorted(
+        (p / "QUARANTINED.txt").read_text() for p in (tmp_path / "quarantine").iterdir()
+    )
+    assert any("NaN or Inf" in r for r in reasons)
+    assert any("written by config other-config" in r for r in reasons)

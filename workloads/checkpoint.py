@@ -10,13 +10,19 @@ temporary name and commits it atomically; `latest_step` only reports committed s
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -51,9 +57,7 @@ def make_manager(
         "data_iter": ocp.JsonCheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
-    return ocp.CheckpointManager(
-        checkpoint_dir(run_dir), options=options, item_handlers=handlers
-    )
+    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
 
 
 def save(
@@ -84,9 +88,67 @@ def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict,
     )
     restored = {}
     for key, state in arrays.items():
-        nnx.replace_by_pure_dict(state, out["state"][key])
-        restored[key] = state
+        copy = jax.tree.map(lambda x: x, state)  # never mutate the caller's state
+        nnx.replace_by_pure_dict(copy, out["state"][key])
+        restored[key] = copy
     return restored, out["data_iter"], out["meta"]
+
+
+def state_problem(state: Any, meta: dict, config_hash: str) -> str | None:
+    """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf), or None."""
+    if meta.get("config_hash") != config_hash:
+        return f"written by config {meta.get('config_hash')}, this run's config is {config_hash}"
+    flat = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
+    ]
+    # One jitted reduction over every array: a replicated vector of booleans.
+    finite = np.asarray(
+        jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))(
+            [leaf for _, leaf in flat]
+        )
+    )
+    for (path, _), ok in zip(flat, finite, strict=True):
+        if not ok:
+            return f"array {jax.tree_util.keystr(path)} has NaN or Inf values"
+    return None
+
+
+def quarantine(run_dir: str, step: int, reason: str) -> epath.Path:
+    """Move a checkpoint a run must not trust to `quarantine/`, with the reason beside it.
+
+    Never deletes: a person may want to look at what went wrong.
+    """
+    target = epath.Path(run_dir) / "quarantine" / f"{step}-{int(time.time())}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (checkpoint_dir(run_dir) / str(step)).rename(target)
+    (target / "QUARANTINED.txt").write_text(reason + "\n")
+    log.warning("checkpoint step %d quarantined to %s: %s", step, target, reason)
+    return target
+
+
+def restore_newest_valid(
+    mngr: ocp.CheckpointManager, run_dir: str, arrays: dict, config_hash: str
+) -> tuple[int, dict, dict | None]:
+    """Resume point: the newest checkpoint that restores, is finite and is this config's.
+
+    Each newer checkpoint that fails is quarantined first. Returns (step, arrays, data
+    iterator state); (0, arrays, None) when nothing valid exists, with `arrays` untouched.
+    """
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            restored, data_state, meta = restore(mngr, step, arrays)
+            problem = state_problem(restored, meta, config_hash)
+        except Exception as exc:  # a truncated or missing file surfaces as any error
+            problem = f"does not restore: {type(exc).__name__}: {exc}"
+        if problem is None:
+            return step, restored, data_state
+        if jax.process_index() == 0:
+            quarantine(run_dir, step, problem)
+        multihost_utils.sync_global_devices(f"quarantine-{step}")
+        mngr.reload()
+    return 0, arrays, None
 
 
 def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
@@ -127,9 +189,7 @@ def restore_on_host(run_dir: str, step: int) -> tuple[dict, dict]:
         )
         out = mngr.restore(
             step,
-            args=ocp.args.Composite(
-                state=_restore_args(abstract), meta=ocp.args.JsonRestore()
-            ),
+            args=ocp.args.Composite(state=_restore_args(abstract), meta=ocp.args.JsonRestore()),
         )
         return out["state"], out["meta"]
     finally:
@@ -176,20 +236,15 @@ def verify_checkpoint(
         raise CheckpointError(
             f"newest checkpoint in {where} is step {step}, expected the final step {expected_step}"
         )
-    state, meta = restore_on_host(run_dir, step)
-    if meta.get("config_hash") != config_hash:
-        raise CheckpointError(
-            f"checkpoint {where / str(step)} was written by config {meta.get('config_hash')}, "
-            f"this run's config is {config_hash}"
-        )
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    for path, leaf in flat:
-        arr = np.asarray(leaf)
-        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
-            raise CheckpointError(
-                f"checkpoint {where / str(step)}: array {jax.tree_util.keystr(path)} has "
-                "NaN or Inf values"
-            )
+    try:
+        state, meta = restore_on_host(run_dir, step)
+        problem = state_problem(state, meta, config_hash)
+    except Exception as exc:
+        problem = f"does not restore: {type(exc).__name__}: {exc}"
+    if problem is not None:
+        moved = quarantine(run_dir, step, problem)
+        raise CheckpointError(f"checkpoint {where / str(step)}: {problem} (moved to {moved})")
     sha, count = params_sha256(state["model"])
-    return VerifiedCheckpoint(step, meta["config_hash"], sha, count, len(flat))
-
+    return VerifiedCheckpoint(
+        step, meta["config_hash"], sha, count, len(jax.tree_util.tree_leaves(state))
+    )

@@ -116,15 +116,12 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         shard_count=jax.process_count(),
     )
     mngr = checkpoint.make_manager(wcfg.run_dir, keep=cfg.train.keep_checkpoints)
-    start = mngr.latest_step() or 0
+    if mngr.latest_step():
+        report.status("restoring", step=mngr.latest_step())
+    start, arrays, data_state = checkpoint.restore_newest_valid(
+        mngr, wcfg.run_dir, arrays, wcfg.config_hash
+    )
     if start:
-        report.status("restoring", step=start)
-        arrays, data_state, meta = checkpoint.restore(mngr, start, arrays)
-        if meta["config_hash"] != wcfg.config_hash:
-            raise checkpoint.CheckpointError(
-                f"checkpoint step {start} has config {meta['config_hash']}, "
-                f"run has {wcfg.config_hash}"
-            )
         input.restore_iterator_state(data, data_state)
         log.info("resumed from step %d", start)
     peak = slice_peak(cfg.model.dtype)
