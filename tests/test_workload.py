@@ -7,8 +7,10 @@ import signal
 import numpy as np
 import pytest
 
+from tasks.goodput import read_events
 from tests.workload_runs import WorkloadRun
 from workloads import checkpoint
+from workloads.events import SUPERSEDED_EXIT, grant_lease
 from workloads.train import PREEMPTED_EXIT
 
 pytestmark = pytest.mark.slow
@@ -76,3 +78,17 @@ def test_preempted_then_killed_run_ends_bit_identical(tmp_path):
         # path's own check is new to a resumed attempt.
         assert row["compile_cache_hits"] >= cold["compile_cache_misses"]
         assert row["compile_cache_misses"] <= 1
+
+
+def test_an_attempt_that_lost_its_lease_stops_without_writing(tmp_path):
+    run = WorkloadRun(tmp_path, "run_name=fenced", *EXACT, *LONG)
+    zombie = run.start(lease="first")
+    run.signal_at(zombie, 5, signal.SIGCONT)  # harmless: just wait until it is training
+    grant_lease(str(run.run_dir), 2, "second")  # the orchestrator moved on to attempt 2
+    live_status = '{"phase": "training", "step": 3, "attempt": 2}'
+    (run.run_dir / "status.json").write_text(live_status)
+    assert run.wait(zombie) == SUPERSEDED_EXIT
+    assert (run.run_dir / "status.json").read_text() == live_status
+    assert checkpoint.latest_step(str(run.run_dir)) in (None, 10)  # nothing after the grant
+    events = [e["event"] for e in read_events(run.run_dir / "events.jsonl")]
+    assert "finished" not in events and "failed" not in events

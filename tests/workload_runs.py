@@ -13,6 +13,7 @@ from infra.slices import LocalSliceProvider, SliceSpec, SliceState
 from tasks.plan import plan_run, write_workload_config
 from tests.helpers import tiny_config
 from workloads import data
+from workloads.events import grant_lease
 from workloads.rundir import RunDir
 
 
@@ -28,16 +29,21 @@ class WorkloadRun:
         self.run_dir = Path(self.plan.run_dir)
         self.attempts = 0
 
-    def start(self) -> str:
-        """Launch a new attempt; returns its slice name."""
+    def start(self, lease: str | None = None) -> str:
+        """Launch a new attempt (holding `lease`, if given); returns its slice name."""
         self.attempts += 1
         name = f"{self.plan.run_id}-{self.attempts}"
+        env = {"TPUPIPE_ATTEMPT": str(self.attempts)}
+        if lease:
+            grant_lease(str(self.run_dir), self.attempts, lease)
+            env["TPUPIPE_LEASE"] = lease
         self.provider.create(
             SliceSpec(
                 name=name,
                 devices=self.config.slice.devices,
                 hosts=self.config.slice.hosts,
                 command=[sys.executable, "-m", "workloads.train", "--config", self.config_path],
+                env=env,
                 log_path=str(self.run_dir / "logs" / f"{name}.log"),
             )
         )

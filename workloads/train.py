@@ -24,6 +24,7 @@ import jax
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
+from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none
 from workloads.step_metrics import MetricsWindow
@@ -81,19 +82,28 @@ def configure_compile_cache(cache_dir: str | None) -> None:
 
 
 class _Reporter:
-    """Writes status and metrics from host 0 only, so hosts never race on the same files."""
+    """Writes status, metrics and events from host 0 only, so hosts never race on the same
+    files, and only while this attempt holds the run's lease."""
 
     def __init__(self, run_dir: str) -> None:
         self.rd = RunDir(run_dir)
+        self.events = EventLog.from_env(run_dir)
         self.primary = jax.process_index() == 0
 
     def status(self, phase: str, **fields: Any) -> None:
         if self.primary:
+            self.events.check_lease()
             self.rd.write_status(phase, **fields)
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         if self.primary:
+            self.events.check_lease()
             self.rd.append_metrics(rows)
+
+    def event(self, event: str, **fields: Any) -> None:
+        if self.primary:
+            self.events.check_lease()
+            self.events.emit(event, **fields)
 
 
 def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
@@ -103,6 +113,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     notice = notice or PreemptionNotice()
     compiles = CompileCounter()
     report.status("starting", step=None)
+    report.event("started", hosts=jax.process_count(), devices=jax.device_count())
     configure_compile_cache(wcfg.compile_cache_dir)
     info = input.dataset_info(wcfg.dataset_dir)
     mesh = make_mesh(cfg.mesh)
@@ -118,11 +129,13 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     mngr = checkpoint.make_manager(wcfg.run_dir, keep=cfg.train.keep_checkpoints)
     if mngr.latest_step():
         report.status("restoring", step=mngr.latest_step())
+    restore_started = time.perf_counter()
     start, arrays, data_state = checkpoint.restore_newest_valid(
         mngr, wcfg.run_dir, arrays, wcfg.config_hash
     )
     if start:
         input.restore_iterator_state(data, data_state)
+        report.event("restored", step=start, seconds=time.perf_counter() - restore_started)
         log.info("resumed from step %d", start)
     peak = slice_peak(cfg.model.dtype)
     window = MetricsWindow(
@@ -148,6 +161,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         if save_now or step % cfg.train.log_every == 0 or step == start + 1:
             rows = window.flush()  # raises NonFiniteError before a bad state is saved
             if step == start + 1:
+                report.event("first_step", step=step, resumed_from=start)
                 rows[0].update(
                     startup_s=time.perf_counter() - started,
                     compile_cache_hits=compiles.hits,
@@ -159,19 +173,24 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             loss = finite_or_none(rows[-1]["loss"])
             report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
         if save_now:
+            if report.primary:
+                report.events.check_lease()  # a zombie must never write a checkpoint
             checkpoint.save(
                 mngr, step, arrays, input.iterator_state_to_json(data), wcfg.config_hash
             )
             last_saved = step
+            report.event("checkpoint", step=step)
         if preempted:
             report.status("saving", step=step, last_checkpoint=step)
             mngr.wait_until_finished()
             mngr.close()
             report.status("preempted", step=step, last_checkpoint=step)
+            report.event("preempted", step=step)
             return PREEMPTED_EXIT
     mngr.wait_until_finished()
     mngr.close()
     report.status("finished", step=step, last_checkpoint=last_saved or None)
+    report.event("finished", step=step)
     return 0
 
 
@@ -189,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_distributed()
         return run(wcfg, notice)
+    except LeaseLost as exc:
+        log.error("%s", exc)  # a newer attempt owns the run directory: write nothing
+        return SUPERSEDED_EXIT
     except Exception as exc:
-        RunDir(wcfg.run_dir).write_status("failed", error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        RunDir(wcfg.run_dir).write_status("failed", error=error)
+        EventLog.from_env(wcfg.run_dir).emit("failed", error=error)
         log.exception("training failed")
         return 1
 

@@ -1,0 +1,98 @@
+"""The run's event ledger (`events.jsonl`) and the lease that fences off zombie attempts.
+
+Both the orchestrator and the workload append events: provisioning, start, restore, first
+step, checkpoints, preemption, finish, deletion. Goodput is computed from this ledger.
+
+Every attempt gets a lease token. The orchestrator writes the current one to `lease.json`
+before it starts the attempt; the workload checks it before each write to the run
+directory, so an attempt the orchestrator has given up on (a zombie on a slice that was
+not deleted yet) stops instead of writing over the live attempt's status or checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from etils import epath
+
+from workloads.rundir import read_json, write_json_atomic
+
+EVENTS = "events.jsonl"
+LEASE = "lease.json"
+SUPERSEDED_EXIT = 76  # this attempt's lease was taken over: stop, write nothing more
+
+
+class LeaseLost(RuntimeError):
+    """The run directory belongs to a newer attempt now."""
+
+
+def new_lease() -> str:
+    """A fresh, unguessable lease token for one attempt."""
+    return secrets.token_hex(8)
+
+
+def grant_lease(run_dir: str, attempt: int, lease: str) -> None:
+    """Make (attempt, lease) the only attempt allowed to write to the run directory."""
+    write_json_atomic(epath.Path(run_dir) / LEASE, {"attempt": attempt, "lease": lease})
+
+
+class EventLog:
+    """Appends events of one attempt, stamped with time, attempt and lease."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        attempt: int = 0,
+        lease: str | None = None,
+        source: str = "workload",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.run_dir = epath.Path(run_dir)
+        self.attempt = attempt
+        self.lease = lease
+        self.source = source
+        self._clock = clock
+
+    @classmethod
+    def from_env(cls, run_dir: str, env: Mapping[str, str] = os.environ) -> EventLog:
+        """The workload's log: attempt and lease come from the slice's environment."""
+        return cls(run_dir, int(env.get("TPUPIPE_ATTEMPT", "0")), env.get("TPUPIPE_LEASE"))
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Append one event as a single line (one write, so lines never interleave)."""
+        payload = {
+            "time": self._clock(),
+            "event": event,
+            "attempt": self.attempt,
+            "source": self.source,
+            **fields,
+        }
+        line = json.dumps(payload, sort_keys=True) + "\n"
+        path = self.run_dir / EVENTS
+        if str(path).startswith("gs://"):
+            # GCS objects cannot be appended to: rewrite (events are few, writers serial).
+            old = path.read_text() if path.exists() else ""
+            path.write_text(old + line)
+            return
+        with open(path, "a") as f:
+            f.write(line)
+
+    def check_lease(self) -> None:
+        """Raise LeaseLost if another attempt holds the run directory's lease.
+
+        No lease file, or no lease of our own (the workload started by hand), means no
+        fencing: the single-attempt case stays as simple as running a script.
+        """
+        if self.lease is None:
+            return
+        current = read_json(self.run_dir / LEASE)
+        if current is not None and current.get("lease") != self.lease:
+            raise LeaseLost(
+                f"attempt {self.attempt} lost its lease on {self.run_dir} to attempt "
+                f"{current.get('attempt')}; stopping without writing"
+            )
