@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV_VERSION := 0.13.8
 
-.PHONY: demo test lint venv lock clean
+.PHONY: demo test lint venv lock clean bq-emulator
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,19 +15,38 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 venv: $(VENV)/.installed
 
+# The BigQuery emulator for the `emulator` tests, in its own venv (it pins an older
+# protobuf than the project). DuckDB would download its spatial extension at start-up,
+# which fails offline: the copy from its wheel goes where DuckDB looks, under a HOME that
+# the test fixture gives the emulator (the user's own ~/.duckdb is left alone).
+BQ_VENV := .venv-bq
+BQ_LOCK := tests/emulator/requirements-bq.lock
+DUCKDB_EXT_DIR := $(BQ_VENV)/home/.duckdb/extensions/v1.5.5/linux_$(if $(filter aarch64 arm64,$(shell uname -m)),arm64,amd64)
+
+$(BQ_VENV)/.installed: $(BQ_LOCK) | $(VENV)/.installed
+	$(PYTHON) -m venv $(BQ_VENV)
+	$(VENV)/bin/uv pip sync --quiet --python $(BQ_VENV)/bin/python $(BQ_LOCK)
+	mkdir -p $(DUCKDB_EXT_DIR)
+	cp $(BQ_VENV)/lib/python*/site-packages/duckdb_extension_spatial/extensions/v1.5.5/spatial.duckdb_extension $(DUCKDB_EXT_DIR)/
+	touch $@
+
+bq-emulator: $(BQ_VENV)/.installed
+
 demo: venv
 	$(VENV)/bin/tpupipe run --config configs/demo.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: lint
+test: lint bq-emulator
 	$(VENV)/bin/pytest
 
 # Re-resolve the pinned dependencies after editing pyproject.toml.
 lock: venv
 	$(VENV)/bin/uv pip compile pyproject.toml --group dev --python-version 3.11 \
 		--generate-hashes --quiet -o requirements.lock
+	$(VENV)/bin/uv pip compile tests/emulator/requirements-bq.in --python-version 3.11 \
+		--generate-hashes --quiet -o $(BQ_LOCK)
 
 clean:
-	rm -rf $(VENV) .tpupipe
+	rm -rf $(VENV) $(BQ_VENV) .tpupipe

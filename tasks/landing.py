@@ -100,7 +100,7 @@ def land_metrics(
 ) -> RunRow:
     """Land the run idempotently: landing twice leaves one copy of every row."""
     run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
-    sink = build_sink(config.metrics.sink, plan.metrics_path)
+    sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics)
     sink.ensure_tables()
     sink.land(run, steps, evals)
     get_run_logger().info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import secrets
 from datetime import UTC, datetime
 
@@ -39,25 +40,51 @@ def new_run_name(now: datetime | None = None, token: str | None = None) -> str:
     return f"run-{now:%Y%m%d-%H%M%S}-{token or secrets.token_hex(2)}"
 
 
+def is_gcs(path: str) -> bool:
+    """True for a `gs://` URI."""
+    return path.startswith("gs://")
+
+
+def _local_root(config: PipelineConfig) -> str:
+    # What must stay on this machine (the local slice registry, a DuckDB file) lives under
+    # the storage root when it is a directory, and under ./.tpupipe when it is in GCS.
+    root = config.storage.root
+    return os.path.abspath(".tpupipe" if is_gcs(root) else root)
+
+
 def metrics_path(config: PipelineConfig) -> str:
-    """The DuckDB file metrics land in (absolute)."""
-    default = os.path.join(config.storage.root, "metrics.duckdb")
+    """Where metrics land: the DuckDB file (absolute), or `bigquery:project.dataset`."""
+    if config.metrics.sink == "bigquery":
+        return f"bigquery:{config.metrics.project or '(default project)'}.{config.metrics.dataset}"
+    default = os.path.join(_local_root(config), "metrics.duckdb")
     return os.path.abspath(config.metrics.path or default)
 
 
 def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
-    """Resolve names and paths; the run id is the run name, so a rerun resumes it."""
+    """Resolve names and paths; the run id is the run name, so a rerun resumes it.
+
+    Raises:
+        ConfigError: a Cloud TPU slice with a local storage root (its workers could not
+            read it).
+    """
     run_name = config.run_name or new_run_name()
-    root = os.path.abspath(config.storage.root)
-    run_dir = os.path.join(root, "runs", run_name)
+    gcs = is_gcs(config.storage.root)
+    if config.slice.provider == "gcp" and not gcs:
+        raise ConfigError(
+            f"slice.provider = 'gcp' needs storage.root in GCS (gs://bucket/prefix), not "
+            f"{config.storage.root!r}: the TPU workers read and write the run directory"
+        )
+    root = config.storage.root.rstrip("/") if gcs else os.path.abspath(config.storage.root)
+    join = posixpath.join if gcs else os.path.join
+    run_dir = join(root, "runs", run_name)
     return RunPlan(
         run_id=run_name,
         run_name=run_name,
         storage_root=root,
         run_dir=run_dir,
-        datasets_root=os.path.join(root, "datasets"),
-        compile_cache_dir=os.path.join(root, "compile_cache"),
-        slices_root=root,
+        datasets_root=join(root, "datasets"),
+        compile_cache_dir=join(root, "compile_cache"),
+        slices_root=_local_root(config),
         metrics_path=metrics_path(config),
         config_hash=config.config_hash(),
         slice_name=f"tpupipe-{run_name}"[:63].rstrip("-"),
@@ -120,9 +147,11 @@ def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: st
     return os.fspath(path)
 
 
-def slice_labels(plan: RunPlan) -> dict[str, str]:
+def slice_labels(plan: RunPlan, attempt: int | None = None) -> dict[str, str]:
     """Labels every slice of this run carries, so hooks and reapers can find it."""
     labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id}
     if plan.flow_run_id:
         labels["flow-run-id"] = plan.flow_run_id
+    if attempt:
+        labels["attempt"] = str(attempt)
     return labels

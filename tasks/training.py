@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, runtime, task
 from prefect.cache_policies import NONE
 
 from infra.slices import SliceSpec, SliceState, build_provider
@@ -40,7 +40,7 @@ class TrainOutcome:
 
 
 def _provider(config: PipelineConfig, plan: RunPlan):
-    return build_provider(config.slice.provider, plan.slices_root)
+    return build_provider(config.slice.provider, plan.slices_root, config.slice)
 
 
 def workload_command(config_path: str) -> list[str]:
@@ -56,7 +56,7 @@ def provision_slice(config: PipelineConfig, plan: RunPlan, config_path: str) -> 
     provider.delete(plan.slice_name)
     spec = SliceSpec(
         name=plan.slice_name,
-        labels=slice_labels(plan),
+        labels=slice_labels(plan, attempt=runtime.task_run.run_count),
         devices=config.slice.devices,
         hosts=config.slice.hosts,
         command=workload_command(config_path),

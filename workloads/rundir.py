@@ -38,12 +38,24 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def read_json(path: epath.Path) -> dict[str, Any] | None:
-    """The parsed file, or None if it does not exist (yet)."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+def read_json(path: epath.Path, attempts: int = 5) -> dict[str, Any] | None:
+    """The parsed file, or None if it does not exist (yet).
+
+    On gs:// a read racing a rewrite can come back cut short: gcsfs takes the object's
+    size from one request (possibly cached) and its bytes from another, so the old size
+    with the new, longer content is a torn text. Writers replace whole objects, so reading
+    again gets a whole one.
+    """
+    for attempt in range(attempts):
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:
+            if not str(path).startswith("gs://") or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return None
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -75,7 +87,14 @@ class RunDir:
         if not rows:
             return
         lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-        with (self.path / METRICS).open("a") as f:
+        path = self.path / METRICS
+        if str(path).startswith("gs://"):
+            # A GCS object cannot be appended to: rewrite it whole (one writer, process 0;
+            # the file is small, and an object write is all-or-nothing, so never torn).
+            old = path.read_text() if path.exists() else ""
+            path.write_text(old + lines)
+            return
+        with path.open("a") as f:
             f.write(lines)
             f.flush()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from infra.metrics.duckdb_sink import DuckDBSink
 from infra.metrics.rows import (
@@ -41,19 +41,30 @@ class MetricsSink(Protocol):
         ...
 
 
-def build_sink(kind: str, path: str) -> MetricsSink:
-    """The metrics sink of `kind` at `path`.
+def build_sink(kind: str, path: str, config: Any = None) -> MetricsSink:
+    """The metrics sink of `kind`.
 
     Args:
-        kind: backend name; only "duckdb" exists so far.
+        kind: "duckdb" or "bigquery".
         path: for "duckdb", the database file.
+        config: the `MetricsConfig` (required for "bigquery": project, dataset, location,
+            credentials_block).
 
     Returns:
-        A new sink (sinks hold no state between calls, so nothing is cached).
+        A new sink; for "bigquery" with its own client, built here once.
 
     Raises:
-        ValueError: if `kind` is not a known backend.
+        ValueError: if `kind` is not a known backend, or "bigquery" comes without a config.
     """
     if kind == "duckdb":
         return DuckDBSink(path)
-    raise ValueError(f"unknown metrics sink kind {kind!r}; known: 'duckdb'")
+    if kind == "bigquery":
+        if config is None:
+            raise ValueError("the bigquery sink needs the metrics config")
+        # Imported here: local runs need no Google client.
+        from infra.gcp.clients import bigquery_client
+        from infra.metrics.bigquery_sink import BigQuerySink
+
+        client = bigquery_client(config.project, config.location, config.credentials_block)
+        return BigQuerySink(client, config.dataset, config.project, config.location)
+    raise ValueError(f"unknown metrics sink kind {kind!r}; known: 'duckdb', 'bigquery'")

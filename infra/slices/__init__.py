@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 from infra.slices.base import (
     ProvisioningError,
@@ -35,21 +36,31 @@ _PROVIDERS: dict[tuple[str, str], SliceProvider] = {}
 _PROVIDERS_LOCK = threading.Lock()
 
 
-def build_provider(kind: str, root: str) -> SliceProvider:
+def build_provider(kind: str, root: str, config: Any = None) -> SliceProvider:
     """The slice provider of `kind` rooted at `root`, one shared instance per pair.
 
     Args:
-        kind: backend name; only "local" exists so far.
+        kind: "local" or "gcp".
         root: the pipeline root; the local provider keeps its registry in `{root}/slices`.
+        config: the `SliceConfig` (required for "gcp": project, zones, accelerator…).
 
     Returns:
-        The provider, the same object for every call with the same kind and root.
+        The provider, the same object for every call with the same kind, root and (for
+        "gcp") config, so its clients are built once.
 
     Raises:
-        ValueError: if `kind` is not a known backend.
+        ValueError: if `kind` is not a known backend, or "gcp" comes without a config.
     """
+    if kind == "gcp":
+        if config is None:
+            raise ValueError("the gcp slice provider needs the slice config")
+        key = (kind, f"{root}|{config.model_dump_json()}")
+        with _PROVIDERS_LOCK:
+            if key not in _PROVIDERS:
+                _PROVIDERS[key] = _gcp_provider(config)
+            return _PROVIDERS[key]
     if kind != "local":
-        raise ValueError(f"unknown slice provider kind {kind!r}; known: 'local'")
+        raise ValueError(f"unknown slice provider kind {kind!r}; known: 'local', 'gcp'")
     # Normalised, so "./x" and "/abs/x" share one instance (and one Popen table).
     key = (kind, os.path.abspath(os.fspath(root)))
     with _PROVIDERS_LOCK:
@@ -58,3 +69,15 @@ def build_provider(kind: str, root: str) -> SliceProvider:
             provider = LocalSliceProvider(os.path.join(key[1], "slices"))
             _PROVIDERS[key] = provider
         return provider
+
+
+def _gcp_provider(config: Any) -> SliceProvider:
+    # Imported here: the Google clients cost a second to import and local runs need none.
+    from infra.gcp.clients import default_project, storage_client, tpu_client
+    from infra.slices.gcp import GcpSliceProvider
+    from infra.slices.gcp_node import TpuSettings
+
+    block = config.credentials_block
+    project = default_project(config.project, block)
+    settings = TpuSettings.from_config(config, project, poll_s=min(5.0, config.poll_interval_s))
+    return GcpSliceProvider(tpu_client(block), storage_client(project, block), settings)

@@ -403,9 +403,7 @@ class LocalSliceProvider:
             proc.wait()  # the leader is our child: reap it so no zombie of ours remains
 
     @staticmethod
-    def _state(
-        record: dict[str, Any], proc: _HostGroup | None
-    ) -> tuple[SliceState, int | None]:
+    def _state(record: dict[str, Any], proc: _HostGroup | None) -> tuple[SliceState, int | None]:
         if proc is not None:
             code = proc.poll()
             return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)

@@ -1,0 +1,266 @@
+"""The production metrics sink: BigQuery tables created from the same row models as DuckDB.
+
+Exactly-once landing, whatever is retried:
+
+1. Each table's rows for the run are loaded into a staging table named after the run and
+   the table with a load job (`WRITE_TRUNCATE`). A load job is atomic, and truncation makes
+   a retried or repeated load replace the staging rows instead of adding to them. Streaming
+   inserts (`insertAll`) are not used: a retry after a lost answer duplicates rows, and rows
+   in the streaming buffer cannot be updated or deleted for up to 90 minutes.
+2. One multi-statement transaction MERGEs every staging table into its target on the
+   table's primary key: matched rows are updated, new rows inserted, and rows of this run
+   that the new landing no longer has are deleted. All three tables change, or none does.
+3. The staging tables are dropped (they also expire after a day, should a crash leave them).
+
+Running the landing twice, or again after a failure at any point, leaves the tables
+holding exactly the source's rows, once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.api_core import retry as gretry
+from google.cloud import bigquery
+
+from infra.metrics.rows import (
+    ROW_MODELS,
+    EvalMetricRow,
+    LandResult,
+    RunRow,
+    StepMetricRow,
+    TableRow,
+    table_schema,
+)
+
+# The row models speak DuckDB types; these are their BigQuery names.
+BQ_TYPES = {
+    "VARCHAR": "STRING",
+    "BIGINT": "INT64",
+    "DOUBLE": "FLOAT64",
+    "BOOLEAN": "BOOL",
+    "TIMESTAMPTZ": "TIMESTAMP",
+}
+STAGING_TTL = dt.timedelta(days=1)
+# The API may answer with the legacy SQL names of the types.
+_LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL"}
+_SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
+# Transient errors of one call; a landing as a whole is safe to re-run anyway.
+RETRY = gretry.Retry(
+    predicate=gretry.if_exception_type(
+        gexc.ServiceUnavailable, gexc.InternalServerError, gexc.TooManyRequests
+    ),
+    initial=1.0,
+    maximum=30.0,
+    timeout=300.0,
+)
+
+
+class SchemaError(RuntimeError):
+    """A row model and its existing table disagree in a way BigQuery cannot migrate."""
+
+
+def bq_schema(model: type[TableRow]) -> list[bigquery.SchemaField]:
+    """BigQuery columns of a row model's table, in field order."""
+    return [
+        bigquery.SchemaField(
+            c.name, BQ_TYPES[c.type], mode="NULLABLE" if c.nullable else "REQUIRED"
+        )
+        for c in table_schema(model)
+    ]
+
+
+class BigQuerySink:
+    """MetricsSink writing to a BigQuery dataset; the client is built once and passed in."""
+
+    def __init__(
+        self,
+        client: bigquery.Client,
+        dataset: str,
+        project: str | None = None,
+        location: str = "US",
+        models: Sequence[type[TableRow]] = ROW_MODELS,
+    ) -> None:
+        """Land into `project.dataset` (project defaults to the client's).
+
+        Args:
+            client: the BigQuery client.
+            dataset: dataset id; created on first use.
+            project: project of the dataset.
+            location: the dataset's location, used when creating it and for every job.
+            models: the row models, one table each (tests pass older versions).
+        """
+        self.client, self.location, self.models = client, location, tuple(models)
+        self.dataset = f"{project or client.project}.{dataset}"
+        self._ready = False
+
+    def ensure_tables(self) -> None:
+        """Create the dataset and tables (day-partitioned, clustered by run_id), and add
+        the columns the row models gained since a table was created (as NULLABLE).
+
+        Raises:
+            SchemaError: a column's type changed (BigQuery cannot convert it in place).
+        """
+        try:
+            # Look first: an orchestrator granted only dataset-level roles may not create
+            # datasets, and a create of an existing one would answer 403, not 409.
+            self.client.get_dataset(self.dataset, retry=RETRY)
+        except gexc.NotFound:
+            ds = bigquery.Dataset(self.dataset)
+            ds.location = self.location
+            self.client.create_dataset(ds, exists_ok=True, retry=RETRY)
+        for model in self.models:
+            table = bigquery.Table(self._table(model), schema=bq_schema(model))
+            table.time_partitioning = bigquery.TimePartitioning(
+                type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
+            )
+            table.clustering_fields = ["run_id"]
+            existing = self.client.create_table(table, exists_ok=True, retry=RETRY)
+            self._add_columns(model, {f.name: f.field_type for f in existing.schema})
+        self._ready = True
+
+    def land(
+        self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
+    ) -> LandResult:
+        """Make the stored rows of `run.run_id` exactly these rows, once each.
+
+        A step given twice (re-run after a resume) keeps its last row; likewise an eval's
+        (step, split). See the module docstring for why a re-run cannot duplicate rows.
+
+        Returns:
+            Rows written per table, after de-duplication.
+
+        Raises:
+            ValueError: a step or eval row belongs to another run.
+        """
+        strays = {r.run_id for r in [*steps, *evals]} - {run.run_id}
+        if strays:
+            raise ValueError(f"rows of other runs {sorted(strays)} given to land {run.run_id!r}")
+        if not self._ready:
+            self.ensure_tables()
+        by_table = {RunRow.table: [run], **_dedupe([*steps, *evals])}
+        statements = []
+        for model in self.models:
+            rows = by_table.get(model.table, [])
+            if rows:
+                self._stage(model, run.run_id, rows)
+                statements.append(self._merge_sql(model, run.run_id))
+            else:
+                statements.append(
+                    f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
+                )
+        script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
+        self._query(script)
+        for model in self.models:
+            self.client.delete_table(self._staging(model, run.run_id), not_found_ok=True)
+        counts = {m.table: len(by_table.get(m.table, [])) for m in self.models}
+        return LandResult(
+            runs=counts.get(RunRow.table, 0),
+            steps=counts.get(StepMetricRow.table, 0),
+            evals=counts.get(EvalMetricRow.table, 0),
+        )
+
+    def query(self, sql: str, run_id: str | None = None) -> list[tuple]:
+        """Run one statement (with an optional `@run_id` parameter); rows as tuples."""
+        return [tuple(row.values()) for row in self._query(sql, run_id)]
+
+    # -- internals --------------------------------------------------------------------
+
+    def _table(self, model: type[TableRow]) -> str:
+        return f"{self.dataset}.{model.table}"
+
+    def _staging(self, model: type[TableRow], run_id: str) -> str:
+        # Table names allow letters, digits and '_': the hash keeps distinct run ids apart.
+        safe = re.sub(r"[^A-Za-z0-9_]", "_", run_id)[:200]
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
+        return f"{self.dataset}._staging_{model.table}_{safe}_{digest}"
+
+    def _add_columns(self, model: type[TableRow], have: dict[str, str]) -> None:
+        """Add the model's columns the table lacks; refuse a column whose type changed."""
+        fields = bq_schema(model)
+        changed = [
+            f"{f.name} {have[f.name]} -> {f.field_type}"
+            for f in fields
+            if f.name in have and _LEGACY.get(have[f.name], have[f.name]) != f.field_type
+        ]
+        if changed:
+            raise SchemaError(
+                f"{self._table(model)}: column types changed ({', '.join(changed)}); BigQuery "
+                "cannot convert them in place: add a new column instead"
+            )
+        for field in (f for f in fields if f.name not in have):
+            # Always NULLABLE, even for a field the model requires: the rows already in the
+            # table have no value for it. DDL rather than a schema patch, and IF NOT EXISTS,
+            # so a concurrent or repeated migration is harmless.
+            self._query(
+                f"ALTER TABLE `{self._table(model)}` "
+                f"ADD COLUMN IF NOT EXISTS {field.name} {field.field_type}"
+            )
+
+    def _stage(self, model: type[TableRow], run_id: str, rows: Sequence[TableRow]) -> None:
+        data = "".join(json.dumps(r.model_dump(mode="json")) + "\n" for r in rows).encode()
+        config = bigquery.LoadJobConfig(
+            schema=bq_schema(model),
+            source_format=bigquery.SourceFormat.NEWLINE_DELIMITED_JSON,
+            write_disposition=bigquery.WriteDisposition.WRITE_TRUNCATE,
+            create_disposition=bigquery.CreateDisposition.CREATE_IF_NEEDED,
+        )
+        staging = self._staging(model, run_id)
+        job = self.client.load_table_from_file(
+            io.BytesIO(data), staging, job_config=config, rewind=True, location=self.location
+        )
+        job.result(retry=RETRY)
+        table = self.client.get_table(staging, retry=RETRY)
+        table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
+        self.client.update_table(table, ["expires"], retry=RETRY)
+
+    def _merge_sql(self, model: type[TableRow], run_id: str) -> str:
+        columns = [c.name for c in table_schema(model)]
+        key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
+        updates = ", ".join(f"{c} = S.{c}" for c in columns if c not in model.primary_key)
+        names = ", ".join(columns)
+        values = ", ".join(f"S.{c}" for c in columns)
+        return (
+            f"MERGE `{self._table(model)}` T\n"
+            f"USING `{self._staging(model, run_id)}` S\nON {key}\n"
+            f"WHEN MATCHED THEN UPDATE SET {updates}\n"
+            f"WHEN NOT MATCHED BY TARGET THEN INSERT ({names}) VALUES ({values})\n"
+            f"WHEN NOT MATCHED BY SOURCE AND T.run_id = {_literal(run_id)} THEN DELETE"
+        )
+
+    def _query(self, sql: str, run_id: str | None = None) -> Any:
+        params = [bigquery.ScalarQueryParameter("run_id", "STRING", run_id)] if run_id else []
+        config = bigquery.QueryJobConfig(query_parameters=params)
+        job = self.client.query(sql, job_config=config, location=self.location, retry=RETRY)
+        return job.result(retry=RETRY)
+
+
+def _literal(run_id: str) -> str:
+    """`run_id` as a SQL string literal, for the transaction script.
+
+    Query parameters would be the usual way, and BigQuery accepts them in scripts, but
+    the emulator does not; a run id restricted to characters that need no escaping is as
+    safe (run names are `[a-z0-9-]` anyway).
+
+    Raises:
+        ValueError: the run id holds other characters.
+    """
+    if not _SAFE_RUN_ID.match(run_id):
+        raise ValueError(f"run id {run_id!r} must match {_SAFE_RUN_ID.pattern} to be landed")
+    return f"'{run_id}'"
+
+
+def _dedupe(rows: Sequence[TableRow]) -> dict[str, list[TableRow]]:
+    """Rows per table, the last one per primary key kept (the re-run after a resume is
+    the one that counted), in key order."""
+    out: dict[str, dict[tuple, TableRow]] = {}
+    for row in rows:
+        out.setdefault(row.table, {})[tuple(getattr(row, k) for k in row.primary_key)] = row
+    return {table: [keyed[k] for k in sorted(keyed)] for table, keyed in out.items()}

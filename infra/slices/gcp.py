@@ -1,0 +1,428 @@
+"""Cloud TPU slices through `google-cloud-tpu` (tpu_v2): the production SliceProvider.
+
+Designed from what goes wrong with hand-rolled TPU scripts:
+
+- Leaked requests: a spot request is a queued resource with a `valid_until` bound, so the
+  API drops it even if the orchestrator dies; `delete` and the reaper cancel it earlier.
+- Preempted nodes left behind block the next create of the same name: `create` deletes
+  a PREEMPTED/TERMINATED node of that name first.
+- Duplicates: the node id is the slice name, so the API itself refuses a second node; a
+  create that is retried after a lost response finds its own node (by its launch label)
+  and adopts it instead of failing or creating another.
+- Quota and capacity errors (RESOURCE_EXHAUSTED) are retried with exponential backoff,
+  then the next fallback zone is tried; permission errors fail at once and say which API
+  and role are missing.
+
+The workload's exit code does not exist in the TPU API (a node stays READY after its
+program ends), so each worker's launcher leaves an exit record in GCS beside the slice log,
+and `status` reports TERMINATED with that code once every worker has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.api_core import retry as gretry
+from google.api_core.future.polling import POLLING_PREDICATE
+from google.cloud import tpu_v2
+from google.protobuf import duration_pb2
+
+from infra.slices.base import (
+    ProvisioningError,
+    SliceError,
+    SliceSpec,
+    SliceState,
+    SliceStatus,
+    validate_labels,
+    validate_name,
+)
+from infra.slices.gcp_node import (
+    MD_EXIT_URI,
+    MD_HOSTS,
+    TpuSettings,
+    build_node,
+    protocol_state,
+)
+
+log = logging.getLogger(__name__)
+
+LAUNCH_LABEL = "launch"
+_QR = tpu_v2.QueuedResourceState.State
+# Transient failures of a single call; retried by google-api-core with backoff. 429 (rate
+# limit) is transient for reads and deletes; for creates it means quota, handled apart.
+TRANSIENT = gretry.Retry(
+    predicate=gretry.if_exception_type(
+        gexc.ServiceUnavailable,
+        gexc.InternalServerError,
+        gexc.BadGateway,
+        gexc.GatewayTimeout,
+        gexc.TooManyRequests,
+    ),
+    initial=1.0,
+    maximum=30.0,
+    timeout=300.0,
+)
+# A create is keyed by its node id, so retrying it cannot duplicate anything; 429 is not
+# in this list because it means quota, which the provisioning loop backs off from.
+CREATE_RETRY = gretry.Retry(
+    predicate=gretry.if_exception_type(gexc.ServiceUnavailable, gexc.InternalServerError),
+    initial=1.0,
+    maximum=30.0,
+    timeout=300.0,
+)
+
+
+class TpuPermissionError(SliceError):
+    """The TPU API refused a call for lack of permission: not worth retrying."""
+
+
+class CapacityError(ProvisioningError):
+    """No zone had quota or capacity for the slice within the attempts allowed."""
+
+
+class GcpSliceProvider:
+    """SliceProvider on Cloud TPU VMs; one TpuClient and one storage Client, passed in."""
+
+    def __init__(
+        self,
+        tpu: tpu_v2.TpuClient,
+        storage: Any,
+        settings: TpuSettings,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Use these clients (built once by the caller) and settings.
+
+        Args:
+            tpu: the TPU API client.
+            storage: a `google.cloud.storage.Client`, to read the workers' exit records.
+            settings: project, zones, accelerator, capacity and timeouts.
+            clock, sleep: injectable for tests.
+        """
+        self.tpu, self.storage, self.settings = tpu, storage, settings
+        self._clock, self._sleep = clock, sleep
+        self._zone_of: dict[str, str] = {}  # where we last saw each slice: try it first
+
+    # -- the SliceProvider protocol ----------------------------------------------------
+
+    def create(self, spec: SliceSpec) -> SliceStatus:
+        """Create the slice and wait until it is READY (its workers then start the workload).
+
+        Raises:
+            SliceError: a live slice of that name exists, or the spec cannot run on TPU.
+            TpuPermissionError: the caller may not create TPUs (names the role to grant).
+            CapacityError: quota or capacity ran out in every zone after the retries.
+            ProvisioningError: the slice failed or timed out while being created.
+        """
+        with self._denied("create"):
+            return self._create(spec)
+
+    def _create(self, spec: SliceSpec) -> SliceStatus:
+        existing = self._find_node(spec.name)
+        if existing is not None:
+            state = protocol_state(existing[1].state)
+            if state in ("READY", "CREATING"):
+                raise SliceError(f"slice {spec.name!r} already exists ({state}); delete it first")
+            log.info("deleting %s slice %s before re-creating it", state, spec.name)
+            self.delete(spec.name)
+        launch_id = secrets.token_hex(4)
+        labels = validate_labels(
+            {
+                **spec.labels,
+                "ttl": str(int(self._clock() + self.settings.max_lifetime_s)),
+                LAUNCH_LABEL: launch_id,
+            }
+        )
+        node = build_node(spec, self.settings, labels, launch_id)
+        last: Exception | None = None
+        for zone in self.settings.zones:
+            delays = gretry.exponential_sleep_generator(self.settings.backoff_s, 600.0, 2.0)
+            for attempt in range(1, self.settings.provision_attempts + 1):
+                try:
+                    return self._create_in(zone, spec.name, node, launch_id)
+                except gexc.TooManyRequests as e:  # RESOURCE_EXHAUSTED: quota or capacity
+                    last = e
+                    log.warning(
+                        "slice %s in %s: no quota/capacity (attempt %d/%d): %s",
+                        spec.name,
+                        zone,
+                        attempt,
+                        self.settings.provision_attempts,
+                        e.message,
+                    )
+                    if attempt < self.settings.provision_attempts:
+                        self._sleep(next(delays))
+            # Nothing of ours may linger in a zone we give up on (a waiting spot request).
+            self._delete_in(zone, spec.name)
+        raise CapacityError(
+            f"slice {spec.name!r} ({self.settings.accelerator_type}, {self.settings.capacity}): "
+            f"no quota or capacity in {', '.join(self.settings.zones)} after "
+            f"{self.settings.provision_attempts} attempts each; last error: {last}"
+        )
+
+    def status(self, name: str) -> SliceStatus:
+        """The slice's state; TERMINATED with the workload's exit code once it has exited."""
+        with self._denied("read"):
+            return self._status(validate_name(name))
+
+    def _status(self, name: str) -> SliceStatus:
+        found = self._find_node(name)
+        if found is None:
+            waiting = self._find_queued(name)
+            if waiting is not None and waiting[1].state.state not in (_QR.FAILED, _QR.DELETING):
+                labels = dict(waiting[1].tpu.node_spec[0].node.labels)
+                return SliceStatus(name, SliceState.CREATING, None, labels)
+            return SliceStatus(name, SliceState.NOT_FOUND)
+        _, node = found
+        state, labels = SliceState(protocol_state(node.state)), dict(node.labels)
+        if state is SliceState.READY:
+            code = self._exit_code(node)
+            if code is not None:
+                return SliceStatus(name, SliceState.TERMINATED, code, labels)
+        return SliceStatus(name, state, None, labels)
+
+    def delete(self, name: str, grace_s: float = 5.0) -> bool:
+        """Cancel any queued request and delete the node, in every zone; NotFound is done.
+
+        `grace_s` is unused: deleting a TPU VM shuts its workers down, which sends the
+        workload the same SIGTERM a preemption does.
+
+        Returns:
+            True if something was deleted or cancelled, False if nothing existed.
+        """
+        del grace_s
+        validate_name(name)
+        with self._denied("delete"):
+            return any([self._delete_in(zone, name) for zone in list(self._zones_for(name))])
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
+        """Slices (nodes, and spot requests still waiting) carrying every given label."""
+        wanted = (labels or {}).items()
+        found: dict[str, SliceStatus] = {}
+        with self._denied("list"):
+            for zone in self.settings.zones:
+                self._list_in(zone, found)
+        return [s for _, s in sorted(found.items()) if wanted <= s.labels.items()]
+
+    def _list_in(self, zone: str, found: dict[str, SliceStatus]) -> None:
+        # Requests too, whatever the configured capacity: a waiting spot request from an
+        # earlier config still holds a place in the queue and must be found to be cancelled.
+        for qr in self._call(self.tpu.list_queued_resources, parent=self._parent(zone)):
+            spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
+            if spec and qr.state.state not in (_QR.ACTIVE, _QR.FAILED, _QR.DELETING):
+                found[spec.node_id] = SliceStatus(
+                    spec.node_id, SliceState.CREATING, None, dict(spec.node.labels)
+                )
+        for node in self._call(self.tpu.list_nodes, parent=self._parent(zone)):
+            name = node.name.rsplit("/", 1)[-1]
+            found[name] = SliceStatus(
+                name, SliceState(protocol_state(node.state)), None, dict(node.labels)
+            )
+
+    # -- creation ----------------------------------------------------------------------
+
+    def _create_in(self, zone: str, name: str, node: tpu_v2.Node, launch_id: str) -> SliceStatus:
+        parent = self._parent(zone)
+        self._zone_of[name] = zone
+        try:
+            if self.settings.capacity == "spot":
+                self._queue(parent, name, node)
+            else:
+                op = self.tpu.create_node(
+                    parent=parent, node_id=name, node=node, retry=CREATE_RETRY
+                )
+                self._wait_op(op)
+        except gexc.Conflict:
+            # Our own earlier create whose response was lost, or somebody else's slice.
+            if self._launch_of(zone, name) != launch_id:
+                raise SliceError(f"slice {name!r} already exists in {zone}") from None
+            if self.settings.capacity == "spot":
+                self._queue(parent, name, node, adopt=True)
+        return self._wait_ready(zone, name)
+
+    def _launch_of(self, zone: str, name: str) -> str | None:
+        node = self._get_node(zone, name)
+        if node is not None:
+            return node.labels.get(LAUNCH_LABEL)
+        found = self._find_queued(name, zones=[zone])
+        return found[1].tpu.node_spec[0].node.labels.get(LAUNCH_LABEL) if found else None
+
+    def _queue(self, parent: str, name: str, node: tpu_v2.Node, adopt: bool = False) -> None:
+        """Queue a spot request valid for queue_timeout_s and wait until it is ACTIVE.
+
+        With `adopt`, the request already exists (ours) and is only waited for.
+        """
+        timeout = self.settings.queue_timeout_s
+        request = tpu_v2.QueuedResource(
+            tpu=tpu_v2.QueuedResource.Tpu(
+                node_spec=[
+                    tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node_id=name, node=node)
+                ]
+            ),
+            spot=tpu_v2.QueuedResource.Spot(),
+            queueing_policy=tpu_v2.QueuedResource.QueueingPolicy(
+                valid_until_duration=duration_pb2.Duration(seconds=int(timeout))
+            ),
+        )
+        zone = parent.rsplit("/", 1)[-1]
+        if not adopt:
+            op = self.tpu.create_queued_resource(
+                parent=parent, queued_resource_id=name, queued_resource=request, retry=CREATE_RETRY
+            )
+            self._wait_op(op)
+        qr_name = f"{parent}/queuedResources/{name}"
+        deadline = self._clock() + timeout
+        while True:
+            try:
+                qr = self._call(self.tpu.get_queued_resource, name=qr_name)
+            except gexc.NotFound:
+                raise ProvisioningError(f"spot request {name} was cancelled") from None
+            state = qr.state.state
+            if state == _QR.ACTIVE:
+                return
+            if state in (_QR.FAILED, _QR.SUSPENDED, _QR.SUSPENDING):
+                error = qr.state.failed_data.error
+                self._delete_in(zone, name)
+                # A failed spot request means no capacity: let the zone loop go on.
+                raise gexc.ResourceExhausted(
+                    f"queued resource {name} {state.name}: {error.message or 'no capacity'}"
+                )
+            if self._clock() >= deadline:
+                self._delete_in(zone, name)  # cancel: never leave a request waiting
+                raise gexc.ResourceExhausted(
+                    f"spot request {name} still {state.name} after {timeout:.0f}s"
+                )
+            self._sleep(self.settings.poll_s)
+
+    def _wait_ready(self, zone: str, name: str) -> SliceStatus:
+        deadline = self._clock() + self.settings.provision_timeout_s
+        while True:
+            node = self._get_node(zone, name)
+            state = "NOT_FOUND" if node is None else protocol_state(node.state)
+            if state == "READY":
+                return SliceStatus(name, SliceState.READY, None, dict(node.labels))
+            if state != "CREATING":
+                self._delete_in(zone, name)
+                raise ProvisioningError(f"slice {name!r} became {state} while being created")
+            if self._clock() >= deadline:
+                self._delete_in(zone, name)
+                raise ProvisioningError(
+                    f"slice {name!r} not READY after {self.settings.provision_timeout_s:.0f}s "
+                    "(slice.provision_timeout_s); deleted"
+                )
+            self._sleep(self.settings.poll_s)
+
+    def _wait_op(self, op: Any) -> Any:
+        """The operation's result, polled every poll_s; its error raised as an API error."""
+        polling = gretry.Retry(
+            predicate=POLLING_PREDICATE,
+            initial=self.settings.poll_s,
+            maximum=max(self.settings.poll_s, 30.0),
+            multiplier=1.5,
+            timeout=self.settings.provision_timeout_s,
+        )
+        return op.result(polling=polling)
+
+    # -- lookups and deletes -----------------------------------------------------------
+
+    def _zones_for(self, name: str) -> Iterator[str]:
+        first = self._zone_of.get(name)
+        if first:
+            yield first
+        yield from (z for z in self.settings.zones if z != first)
+
+    def _find_node(self, name: str) -> tuple[str, tpu_v2.Node] | None:
+        for zone in self._zones_for(name):
+            node = self._get_node(zone, name)
+            if node is not None:
+                self._zone_of[name] = zone
+                return zone, node
+        return None
+
+    def _find_queued(
+        self, name: str, zones: list[str] | None = None
+    ) -> tuple[str, tpu_v2.QueuedResource] | None:
+        for zone in zones or self._zones_for(name):
+            try:
+                qr = self._call(
+                    self.tpu.get_queued_resource,
+                    name=f"{self._parent(zone)}/queuedResources/{name}",
+                )
+            except gexc.NotFound:
+                continue
+            return zone, qr
+        return None
+
+    def _get_node(self, zone: str, name: str) -> tpu_v2.Node | None:
+        try:
+            return self._call(self.tpu.get_node, name=f"{self._parent(zone)}/nodes/{name}")
+        except gexc.NotFound:
+            return None
+
+    def _delete_in(self, zone: str, name: str) -> bool:
+        """Cancel the queued request (force: with its node) and delete the node in `zone`."""
+        parent, deleted = self._parent(zone), False
+        qr_name, node_name = f"{parent}/queuedResources/{name}", f"{parent}/nodes/{name}"
+        for call, kwargs in (
+            (self.tpu.delete_queued_resource, {"request": {"name": qr_name, "force": True}}),
+            (self.tpu.delete_node, {"name": node_name}),
+        ):
+            try:
+                op = self._call(call, **kwargs)
+            except gexc.NotFound:
+                continue
+            deleted = True
+            # Wait, so a create of the same name right after cannot meet this one.
+            with contextlib.suppress(gexc.NotFound):
+                self._wait_op(op)
+        return deleted
+
+    def _exit_code(self, node: tpu_v2.Node) -> int | None:
+        """The workload's exit code once every worker left a record (or one failed)."""
+        uri = node.metadata.get(MD_EXIT_URI)
+        if not uri or self.storage is None:
+            return None
+        bucket, _, prefix = uri.removeprefix("gs://").partition("/")
+        records = {}
+        blobs = self._call(self.storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/")
+        for blob in blobs:
+            if blob.name.endswith(".json"):
+                record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
+                records[int(record["worker"])] = int(record["exit_code"])
+        failed = [code for _, code in sorted(records.items()) if code != 0]
+        if failed:
+            return failed[0]  # one dead worker stalls the rest in their collectives
+        return 0 if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _parent(self, zone: str) -> str:
+        return f"projects/{self.settings.project}/locations/{zone}"
+
+    @staticmethod
+    def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("retry", TRANSIENT)
+        return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _denied(self, what: str) -> Iterator[None]:
+        """Turn a 403 into an error that names the API and the role to grant; no retry."""
+        try:
+            yield
+        except gexc.Forbidden as e:  # PermissionDenied, or the API not enabled
+            sa = self.settings.service_account
+            role = "roles/tpu.admin" + (
+                f" and roles/iam.serviceAccountUser on {sa}" if sa and what == "create" else ""
+            )
+            raise TpuPermissionError(
+                f"the Cloud TPU API (tpu.googleapis.com) refused to {what} TPUs in project "
+                f"{self.settings.project} ({', '.join(self.settings.zones)}): {e.message}. "
+                f"Enable the API and grant the orchestrator's identity {role} (docs/gcp.md)"
+            ) from None

@@ -1,0 +1,1 @@
+"""Tests of the Google backends against local emulators (marker `emulator`)."""

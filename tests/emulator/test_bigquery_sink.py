@@ -1,0 +1,205 @@
+"""The BigQuery sink through the real `bigquery.Client` against bqemulator."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from typing import ClassVar
+
+import pytest
+from google.api_core import exceptions as gexc
+
+from infra.metrics import EvalMetricRow, RunRow, StepMetricRow
+from infra.metrics.bigquery_sink import BigQuerySink, SchemaError
+from infra.metrics.rows import TableRow
+
+pytestmark = pytest.mark.emulator
+
+T0 = datetime(2026, 11, 22, 6, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def sink(bq_emulator, request):
+    from infra.gcp.clients import bigquery_client
+
+    dataset = f"m_{abs(hash(request.node.nodeid)) % 10**8}"
+    return BigQuerySink(bigquery_client("test-project"), dataset, location="US")
+
+
+def rows(run_id="r1", steps=range(1, 6), loss_offset=0.0, status="completed"):
+    run = RunRow(
+        run_id=run_id,
+        run_name=run_id,
+        status=status,
+        config_hash="h",
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at=T0,
+        finished_at=T0 + timedelta(minutes=5),
+        final_step=max(steps),
+        train_loss_first=5.0,
+        train_loss_last=2.0,
+        run_dir="gs://b/r",
+    )
+    step_rows = [
+        StepMetricRow(
+            run_id=run_id,
+            step=s,
+            loss=5.0 / s + loss_offset,
+            learning_rate=1e-3,
+            recorded_at=T0 + timedelta(seconds=s),
+        )
+        for s in steps
+    ]
+    evals = [
+        EvalMetricRow(
+            run_id=run_id, step=max(steps), loss=2.5, bits_per_byte=1.2, tokens=1000, recorded_at=T0
+        )
+    ]
+    return run, step_rows, evals
+
+
+def count(sink, table, run_id):
+    ((n,),) = sink.query(
+        f"SELECT COUNT(*) FROM `{sink.dataset}.{table}` WHERE run_id = @run_id", run_id
+    )
+    return n
+
+
+def test_tables_are_partitioned_by_day_and_clustered_by_run_id(sink):
+    sink.ensure_tables()
+    for table in ("runs", "step_metrics", "eval_metrics"):
+        t = sink.client.get_table(f"{sink.dataset}.{table}")
+        assert t.time_partitioning.type_ == "DAY"
+        assert t.clustering_fields == ["run_id"]
+    step = sink.client.get_table(f"{sink.dataset}.step_metrics")
+    assert step.time_partitioning.field == "recorded_at"
+    modes = {f.name: (f.field_type, f.mode) for f in step.schema}
+    assert modes["step"] == ("INTEGER", "REQUIRED") or modes["step"] == ("INT64", "REQUIRED")
+    assert modes["loss"][1] == "NULLABLE"
+
+
+def test_landing_twice_leaves_one_copy_of_every_row(sink):
+    run, steps, evals = rows()
+    sink.land(run, steps, evals)
+    result = sink.land(run, steps, evals)
+
+    assert (result.runs, result.steps, result.evals) == (1, 5, 1)
+    assert count(sink, "runs", "r1") == 1
+    assert count(sink, "step_metrics", "r1") == 5
+    assert count(sink, "eval_metrics", "r1") == 1
+    # The staging tables are gone.
+    names = {t.table_id for t in sink.client.list_tables(sink.dataset)}
+    assert names == {"runs", "step_metrics", "eval_metrics"}
+
+
+def test_a_relanding_replaces_the_runs_rows_and_leaves_other_runs_alone(sink):
+    sink.land(*rows("other"))
+    sink.land(*rows("r1", steps=range(1, 6)))
+    # After a resume, steps 4-5 were re-run with other losses and step 6 is new; the run
+    # rolled back past nothing else. Duplicates in the source keep their last row.
+    run, steps, evals = rows("r1", steps=range(1, 7), loss_offset=1.0)
+    sink.land(run, [*steps[:2], *steps], evals)
+
+    got = sink.query(
+        f"SELECT step, loss FROM `{sink.dataset}.step_metrics` WHERE run_id = @run_id "
+        "ORDER BY step",
+        "r1",
+    )
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isclose(loss, 5.0 / s + 1.0) for s, loss in got)
+    assert count(sink, "step_metrics", "other") == 5
+
+
+def test_a_landing_that_failed_midway_changes_nothing_and_a_rerun_completes_it(sink, monkeypatch):
+    run, steps, evals = rows()
+    sink.land(run, steps[:2], [])  # an earlier, partial landing
+    real_merge = sink._merge_sql
+
+    def merge_breaking_on_evals(model, run_id):
+        sql = real_merge(model, run_id)
+        # The third MERGE of the transaction fails after the first two have run.
+        return sql.replace("_staging_eval_metrics", "_gone") if model is EvalMetricRow else sql
+
+    monkeypatch.setattr(sink, "_merge_sql", merge_breaking_on_evals)
+    with pytest.raises(gexc.NotFound):
+        sink.land(run, steps, evals)
+    monkeypatch.undo()
+    # The transaction rolled back: the runs and step MERGEs that ran left no trace.
+    assert count(sink, "step_metrics", "r1") == 2
+    assert count(sink, "eval_metrics", "r1") == 0
+
+    sink.land(run, steps, evals)
+    assert count(sink, "step_metrics", "r1") == 5
+    assert count(sink, "eval_metrics", "r1") == 1
+    assert count(sink, "runs", "r1") == 1
+
+
+def test_a_run_id_that_would_need_escaping_is_refused(sink):
+    run, steps, evals = rows(run_id="r1'; DROP TABLE runs; --")
+    with pytest.raises(ValueError, match="must match"):
+        sink.land(run, steps, evals)
+
+
+def test_nonfinite_metrics_land_as_null_with_a_flag(sink):
+    run, steps, evals = rows(steps=range(1, 3))
+    bad = StepMetricRow(run_id="r1", step=3, loss=float("nan"), recorded_at=T0)
+    sink.land(run, [*steps, bad], evals)
+    ((loss, flag),) = sink.query(
+        f"SELECT loss, nonfinite FROM `{sink.dataset}.step_metrics` "
+        "WHERE run_id = @run_id AND step = 3",
+        "r1",
+    )
+    assert loss is None and flag is True
+
+
+class OldStepRow(TableRow):
+    """step_metrics as an earlier version of the row model had it."""
+
+    table: ClassVar[str] = "step_metrics"
+    primary_key: ClassVar[tuple[str, ...]] = ("run_id", "step")
+    partition_field: ClassVar[str] = "recorded_at"
+
+    run_id: str
+    step: int
+    loss: float | None = None
+    recorded_at: datetime
+
+
+def test_tables_gain_the_new_nullable_columns_of_grown_row_models(sink):
+    old = BigQuerySink(
+        sink.client, sink.dataset.split(".")[1], models=(RunRow, OldStepRow, EvalMetricRow)
+    )
+    old.ensure_tables()
+    old_row = OldStepRow(run_id="old", step=1, loss=1.0, recorded_at=T0)
+    old.land(rows("old")[0], [old_row], [])
+
+    sink.ensure_tables()
+    sink.land(*rows("r1"))
+
+    got = sink.query(
+        "SELECT run_id, step, grad_norm, tokens_per_s, nonfinite "
+        f"FROM `{sink.dataset}.step_metrics` ORDER BY run_id, step"
+    )
+    assert got[0] == ("old", 1, None, None, None)  # the old row, new columns NULL
+    assert [r[0] for r in got[1:]] == ["r1"] * 5 and got[1][4] is False
+
+
+class TextStepRow(TableRow):
+    """step_metrics with `loss` as text: a change BigQuery cannot make in place."""
+
+    table: ClassVar[str] = "step_metrics"
+    primary_key: ClassVar[tuple[str, ...]] = ("run_id", "step")
+    partition_field: ClassVar[str] = "recorded_at"
+
+    run_id: str
+    step: int
+    loss: str | None = None
+    recorded_at: datetime
+
+
+def test_a_changed_column_type_is_refused_with_a_reason(sink):
+    dataset = sink.dataset.split(".")[1]
+    BigQuerySink(sink.client, dataset, models=(TextStepRow,)).ensure_tables()
+    with pytest.raises(SchemaError, match="loss STRING -> FLOAT64"):
+        sink.ensure_tables()
