@@ -1,4 +1,9 @@
-"""The training pipeline flow: it only wires the stages together and guarantees teardown."""
+"""The training pipeline flow: it only wires the stages together and guarantees teardown.
+
+Teardown has three layers: the `finally` below (and in every training attempt), the
+flow's cancellation and crash hooks (they delete every slice labelled with this flow run),
+and the `reap-orphans` flow (flows/reaper.py) for an orchestrator that died outright.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +15,20 @@ from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, verify_checkpoint
 from tasks.landing import land_metrics, publish_summary
 from tasks.prepare import shard_dataset, validate_config
-from tasks.training import provision_slice, teardown_slice, train
+from tasks.teardown import delete_flow_run_slices
+from tasks.training import teardown_slice, train_with_retries
 from workloads.config import PipelineConfig
 
 
-@flow(name="tpu-training-pipeline", log_prints=True)
+@flow(
+    name="tpu-training-pipeline",
+    log_prints=True,
+    on_cancellation=[delete_flow_run_slices],
+    on_crashed=[delete_flow_run_slices],
+)
 def tpu_training_pipeline(config: PipelineConfig | None = None) -> RunRow:
-    """Shard → provision → train → verify → evaluate → land, tearing the slice down
-    whatever fails. A failed run still lands a `runs` row with its error."""
+    """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
+    land, tearing the slice down whatever fails. A failed run still lands a `runs` row."""
     config = config or PipelineConfig()
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
@@ -25,8 +36,7 @@ def tpu_training_pipeline(config: PipelineConfig | None = None) -> RunRow:
     try:
         config_path = shard_dataset(config, plan)
         try:
-            provision_slice(config, plan, config_path)
-            train(config, plan, plan.slice_name)
+            train_with_retries(config)(config, plan, config_path)
         finally:
             teardown_slice(config, plan)
         verified = verify_checkpoint(config, plan)

@@ -15,9 +15,11 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from etils import epath
 
 BUCKETS = ("provisioning", "startup", "restore", "productive", "lost", "teardown", "idle")
 
@@ -37,11 +39,11 @@ class Goodput:
         return self.seconds.get("productive", 0.0) / self.wall_s if self.wall_s > 0 else None
 
 
-def read_events(path: str | Path) -> list[dict]:
+def read_events(path: str | os.PathLike) -> list[dict]:
     """Events in file order; a torn last line (a writer killed mid-line) is skipped."""
     events = []
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = epath.Path(path).read_text().splitlines()
     except FileNotFoundError:
         return []
     for line in lines:

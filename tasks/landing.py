@@ -10,10 +10,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
+from tasks.goodput import compute_goodput, read_events
 from tasks.plan import RunPlan
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
+from workloads.events import EVENTS
 from workloads.rundir import RunDir
 
 
@@ -57,6 +59,7 @@ def build_rows(
             )
         )
     ordered = sorted(metrics, key=lambda m: m["step"])
+    ledger = compute_goodput(read_events(f"{plan.run_dir}/{EVENTS}"))
     run = RunRow(
         run_id=plan.run_id,
         run_name=plan.run_name,
@@ -76,6 +79,11 @@ def build_rows(
         params_sha256=verified.params_sha256 if verified else None,
         num_params=verified.num_params if verified else None,
         run_dir=plan.run_dir,
+        attempts=ledger.attempts,
+        preemptions=ledger.preemptions,
+        goodput=ledger.goodput,
+        wall_s=ledger.wall_s,
+        **{f"{bucket}_s": seconds for bucket, seconds in ledger.seconds.items()},
     )
     return run, steps, evals
 
@@ -131,6 +139,11 @@ def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
             f"| eval loss | {fmt(run.eval_loss)} |",
             f"| eval bits per byte | {fmt(run.eval_bits_per_byte)} |",
             f"| parameters | {run.num_params} (sha256 `{(run.params_sha256 or '')[:16]}`) |",
+            f"| attempts | {run.attempts} ({run.preemptions} preempted) |",
+            f"| goodput | {fmt(run.goodput)} of {fmt(run.wall_s)} s wall; badput: "
+            f"provisioning {fmt(run.provisioning_s)} s, start-up {fmt(run.startup_s)} s, "
+            f"restore {fmt(run.restore_s)} s, lost {fmt(run.lost_s)} s, "
+            f"teardown {fmt(run.teardown_s)} s |",
             f"| run directory | `{plan.run_dir}` |",
             f"| metrics | `{plan.metrics_path}` ({config.metrics.sink}) |",
             "",

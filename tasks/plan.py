@@ -6,6 +6,7 @@ import json
 import os
 import posixpath
 import secrets
+import time
 from datetime import UTC, datetime
 
 from etils import epath
@@ -147,9 +148,17 @@ def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: st
     return os.fspath(path)
 
 
-def slice_labels(plan: RunPlan, attempt: int | None = None) -> dict[str, str]:
-    """Labels every slice of this run carries, so hooks and reapers can find it."""
+def slice_labels(
+    plan: RunPlan, attempt: int | None = None, ttl_s: float | None = None, now: float | None = None
+) -> dict[str, str]:
+    """Labels every slice of this run carries, so hooks and reapers can find it.
+
+    `ttl` is the epoch second after which the reaper deletes the slice whatever else it
+    knows: the backstop when an orchestrator died and its flow run's state is stale.
+    """
     labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id}
+    if ttl_s is not None:
+        labels["ttl"] = str(int((now if now is not None else time.time()) + ttl_s))
     if plan.flow_run_id:
         labels["flow-run-id"] = plan.flow_run_id
     if attempt:

@@ -1,42 +1,25 @@
-"""Provision a slice running the workload, watch it to the end, and tear it down.
+"""Training attempts: provision a slice running the workload, watch it, always delete it.
 
-The orchestrator never talks to the workload directly: it reads the slice's state and
-exit code from the provider and the heartbeat from the run directory.
+Retries are Prefect's: `train_attempt` is retried only on `WorkloadPreempted` (budget
+`resilience.max_preemptions`), `provision_slice` only on `ProvisioningError` (budget
+`resilience.max_failures`, exponential backoff with jitter). Every other error fails the
+run at once. Each attempt holds a lease on the run directory and records its events.
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from prefect import get_run_logger, runtime, task
+from prefect import Task, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
+from prefect.tasks import exponential_backoff
 
-from infra.slices import SliceSpec, SliceState, build_provider
+from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.plan import RunPlan, slice_labels
+from tasks.watch import TrainOutcome, WatchSettings, WorkloadPreempted, watch_slice
 from workloads.config import PipelineConfig
+from workloads.events import EventLog, grant_lease, new_lease
 from workloads.rundir import RunDir
-from workloads.train import PREEMPTED_EXIT
-
-
-class WorkloadFailed(RuntimeError):
-    """The workload exited with an error: a bug or bad state, not worth a retry."""
-
-
-class WorkloadPreempted(RuntimeError):
-    """The slice was preempted or the workload exited after a preemption notice."""
-
-
-@dataclass(frozen=True)
-class TrainOutcome:
-    """How a training attempt ended."""
-
-    slice_name: str
-    exit_code: int
-    final_step: int | None
-    seconds: float
 
 
 def _provider(config: PipelineConfig, plan: RunPlan):
@@ -48,83 +31,91 @@ def workload_command(config_path: str) -> list[str]:
     return [sys.executable, "-m", "workloads.train", "--config", config_path]
 
 
+def _retry_on(*kinds: type[BaseException]):
+    def condition(task: Task, task_run, state) -> bool:
+        return isinstance(state.result(raise_on_failure=False), kinds)
+
+    return condition
+
+
 @task(name="provision-slice", cache_policy=NONE)
-def provision_slice(config: PipelineConfig, plan: RunPlan, config_path: str) -> str:
-    """Create the slice for this run with the workload as its job; returns its name."""
+def provision_slice(
+    config: PipelineConfig, plan: RunPlan, config_path: str, attempt: int, lease: str
+) -> str:
+    """Create the slice for this attempt with the workload as its job; returns its name."""
     provider = _provider(config, plan)
+    events = EventLog(plan.run_dir, attempt, source="orchestrator")
     # A slice of this name left by a crashed orchestrator would block the create.
     provider.delete(plan.slice_name)
     spec = SliceSpec(
         name=plan.slice_name,
-        labels=slice_labels(plan, attempt=runtime.task_run.run_count),
+        labels=slice_labels(plan, attempt=attempt, ttl_s=config.slice.max_lifetime_s),
         devices=config.slice.devices,
         hosts=config.slice.hosts,
         command=workload_command(config_path),
-        env={},
+        env={"TPUPIPE_ATTEMPT": str(attempt), "TPUPIPE_LEASE": lease},
         log_path=f"{plan.run_dir}/logs/{plan.slice_name}.log",
+        run_dir=plan.run_dir,
+        chaos=config.slice.chaos.model_dump() if config.slice.provider == "local" else None,
     )
-    status = provider.create(spec)
-    get_run_logger().info("slice %s is %s", status.name, status.state.value)
+    events.emit("provision_requested")
+    try:
+        status = provider.create(spec)
+    except ProvisioningError as exc:
+        events.emit("provision_failed", reason=str(exc))
+        get_run_logger().warning("attempt %d: %s", attempt, exc)
+        raise
+    events.emit("provision_ready")
+    get_run_logger().info("attempt %d: slice %s is %s", attempt, status.name, status.state.value)
     return status.name
 
 
-def watch_slice(
-    provider,
-    name: str,
-    run_dir: RunDir,
-    poll_s: float,
-    heartbeat_timeout_s: float,
-    log: Callable[[str], None],
-    clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
-) -> TrainOutcome:
-    """Wait until the workload on slice `name` exits; raise on failure or preemption."""
-    started = clock()
-    last_step = None
-    while True:
-        status = provider.status(name)
-        heartbeat = run_dir.read_status() or {}
-        step = heartbeat.get("step")
-        if step != last_step and step is not None:
-            log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
-            last_step = step
-        if status.state in (SliceState.PREEMPTED, SliceState.NOT_FOUND):
-            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {step}")
-        if status.state == SliceState.TERMINATED:
-            break
-        beat = heartbeat.get("time", started)
-        if clock() - max(beat, started) > heartbeat_timeout_s:
-            raise WorkloadFailed(
-                f"no heartbeat from slice {name} for {heartbeat_timeout_s:.0f}s "
-                f"(slice.heartbeat_timeout_s); last phase {heartbeat.get('phase')!r}"
-            )
-        sleep(poll_s)
-    code = status.exit_code
-    final = run_dir.read_status() or {}
-    if code == 0:
-        return TrainOutcome(name, 0, final.get("step"), clock() - started)
-    if code == PREEMPTED_EXIT:
-        raise WorkloadPreempted(f"workload on {name} saved step {final.get('step')} and exited")
-    raise WorkloadFailed(
-        f"workload on slice {name} exited with code {code}: "
-        f"{final.get('error') or 'see the slice log'}"
-    )
-
-
-@task(name="train", cache_policy=NONE)
-def train(config: PipelineConfig, plan: RunPlan, slice_name: str) -> TrainOutcome:
-    """Watch the training workload on the slice until it finishes."""
+@task(name="train-attempt", cache_policy=NONE)
+def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> TrainOutcome:
+    """One attempt: provision, watch to the end, and delete the slice whatever happened."""
+    attempt = runtime.task_run.run_count
     logger = get_run_logger()
-    outcome = watch_slice(
-        _provider(config, plan),
-        slice_name,
-        RunDir(plan.run_dir),
-        config.slice.poll_interval_s,
-        config.slice.heartbeat_timeout_s,
-        logger.info,
+    events = EventLog(plan.run_dir, attempt, source="orchestrator")
+    lease = new_lease()
+    grant_lease(plan.run_dir, attempt, lease)  # any older attempt must stop writing now
+    res = config.resilience
+    provision = provision_slice.with_options(
+        retries=res.max_failures,
+        retry_delay_seconds=exponential_backoff(backoff_factor=res.backoff_s),
+        retry_jitter_factor=res.backoff_jitter,
+        retry_condition_fn=_retry_on(ProvisioningError),
     )
-    logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)
-    return outcome
+    provider = _provider(config, plan)
+    try:
+        name = provision(config, plan, config_path, attempt, lease)
+        settings = WatchSettings(
+            config.slice.poll_interval_s,
+            config.slice.heartbeat_timeout_s,
+            res.heartbeat_confirm_s,
+        )
+        outcome = watch_slice(provider, name, RunDir(plan.run_dir), settings, logger.info)
+        events.emit("attempt_ended", outcome="completed")
+        logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)
+        return outcome
+    except WorkloadPreempted as exc:
+        events.emit("attempt_ended", outcome="preempted", reason=str(exc))
+        logger.warning("attempt %d preempted: %s", attempt, exc)
+        raise
+    except BaseException as exc:
+        events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if provider.delete(plan.slice_name):
+            events.emit("deleted")
+
+
+def train_with_retries(config: PipelineConfig) -> Task:
+    """`train_attempt`, retried on preemptions only, up to the config's budget."""
+    return train_attempt.with_options(
+        retries=config.resilience.max_preemptions,
+        retry_delay_seconds=0,
+        retry_condition_fn=_retry_on(WorkloadPreempted),
+    )
 
 
 @task(name="teardown-slice", cache_policy=NONE)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra.metrics import DuckDBSink
+from tasks.goodput import read_events
 from tests.helpers import processes_mentioning, tiny_config
 from workloads import checkpoint, data
 
@@ -54,12 +55,15 @@ def test_pipeline_shards_trains_verifies_evaluates_and_lands(tiny_run):
 
     # DuckDB holds the run's step and eval rows.
     sink = DuckDBSink(str(root / "metrics.duckdb"))
-    steps = [s for (s,) in sink.query(
-        "SELECT step FROM step_metrics WHERE run_id = ? ORDER BY step", [run.run_id]
-    )]
+    steps = [
+        s
+        for (s,) in sink.query(
+            "SELECT step FROM step_metrics WHERE run_id = ? ORDER BY step", [run.run_id]
+        )
+    ]
     assert steps[-1] == config.train.steps
     assert len(steps) == len(set(steps)) >= config.train.steps // config.train.log_every
-    (eval_loss, bpb), = sink.query(
+    ((eval_loss, bpb),) = sink.query(
         "SELECT loss, bits_per_byte FROM eval_metrics WHERE run_id = ?", [run.run_id]
     )
     assert eval_loss == pytest.approx(run.eval_loss) and bpb > 0
@@ -99,7 +103,11 @@ def test_evaluation_runs_alone_on_one_device(tiny_run):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
         [sys.executable, "-m", "workloads.evaluate", "--config", f"{run.run_dir}/config.json"],
-        env=env, capture_output=True, text=True, timeout=300, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert f"loss={run.eval_loss}" in out.stdout
 
@@ -112,7 +120,7 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     assert again.params_sha256 == first.params_sha256  # nothing retrained
     sink = DuckDBSink(str(root / "metrics.duckdb"))
     assert sink.query("SELECT count(*) FROM runs WHERE run_id = ?", [first.run_id]) == [(1,)]
-    (n, distinct), = sink.query(
+    ((n, distinct),) = sink.query(
         "SELECT count(*), count(DISTINCT step) FROM step_metrics WHERE run_id = ?",
         [first.run_id],
     )
@@ -123,7 +131,7 @@ def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkey
     """The watcher gives up while the workload is still running: teardown must kill it."""
     from flows.pipeline import tpu_training_pipeline
     from infra.slices import LocalSliceProvider
-    from tasks.training import WorkloadFailed
+    from tasks.watch import WorkloadPreempted
 
     seen_at_teardown = []
     real_delete = LocalSliceProvider.delete
@@ -133,11 +141,17 @@ def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkey
         return real_delete(self, name, grace_s)
 
     monkeypatch.setattr(LocalSliceProvider, "delete", delete_and_record)
-    config = tiny_config(tmp_path, "run_name=stalls", "slice.heartbeat_timeout_s=0.5")
-    with pytest.raises(WorkloadFailed, match="heartbeat"):
+    config = tiny_config(
+        tmp_path,
+        "run_name=stalls",
+        "slice.heartbeat_timeout_s=0.5",
+        "resilience.heartbeat_confirm_s=0",
+        "resilience.max_preemptions=0",
+    )
+    with pytest.raises(WorkloadPreempted, match="no heartbeat"):
         tpu_training_pipeline(config=config)
-    # The first delete clears leftovers before create; the teardown found it running.
-    assert seen_at_teardown[-1] == "READY"
+    # Deletes before the create find nothing; the attempt's own teardown found it running.
+    assert seen_at_teardown[0] == "NOT_FOUND" and "READY" in seen_at_teardown
     run_dir = tmp_path / "runs" / "stalls"
     assert _slices_left(tmp_path) == []
     assert processes_mentioning(str(run_dir / "config.json")) == []
@@ -149,7 +163,7 @@ def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkey
 def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
     """A diverging run stops with a clear error and never checkpoints the bad state."""
     from flows.pipeline import tpu_training_pipeline
-    from tasks.training import WorkloadFailed
+    from tasks.watch import WorkloadFailed
 
     config = tiny_config(
         tmp_path, "run_name=diverges", "train.learning_rate=1e30", "train.warmup_steps=0"
@@ -159,6 +173,13 @@ def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
     assert _slices_left(tmp_path) == []
     run_dir = tmp_path / "runs" / "diverges"
     assert checkpoint.latest_step(str(run_dir)) is None
+    events = read_events(run_dir / "events.jsonl")  # a bug is never retried
+    assert [e["event"] for e in events if e["source"] == "orchestrator"] == [
+        "provision_requested",
+        "provision_ready",
+        "attempt_ended",
+        "deleted",
+    ]
 
 
 def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_harness):

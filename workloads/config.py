@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workloads.config_resilience import ChaosConfig, ResilienceConfig
+
 # Byte-level tokens 0..255 plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
 EOD_TOKEN = 256
@@ -31,13 +33,43 @@ class _Strict(BaseModel):
 
 
 class DatasetConfig(_Strict):
-    """Where the corpus comes from and how it is cut into training sequences."""
+    """Where the corpus comes from, how it is read and how it is cut into training sequences.
+
+    Every field except `workers` changes the shards' bytes, so it is part of the dataset
+    fingerprint (see `workloads.data`).
+    """
 
     sources: list[str] = Field(
         default_factory=lambda: ["stdlib"],
-        description="Files, directories or globs of text; 'stdlib' means the Python "
+        description="Files, directories, globs or gs:// prefixes; 'stdlib' means the Python "
         "standard library's own .py sources (no download needed).",
         min_length=1,
+    )
+    format: Literal["text", "jsonl", "parquet"] = Field(
+        "text",
+        description="How source files hold documents: 'text' (see text_unit), 'jsonl' (one "
+        "JSON object per line, gzip allowed, text in text_field) or 'parquet' (text in "
+        "column text_field).",
+    )
+    text_unit: Literal["file", "line"] = Field(
+        "file",
+        description="For format 'text': each file is one document ('file'), or each "
+        "non-blank line is one ('line').",
+    )
+    text_field: str = Field(
+        "text",
+        min_length=1,
+        description="The JSON field (jsonl) or column (parquet) holding each document's text.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Path to a Hugging Face tokenizers JSON file (tokenizer.json), read from "
+        "disk, never downloaded; null: byte-level tokens.",
+    )
+    errors: Literal["strict", "replace"] = Field(
+        "strict",
+        description="Invalid UTF-8 in a source: 'strict' fails naming the file and byte "
+        "offset; 'replace' substitutes U+FFFD.",
     )
     seq_len: int = Field(128, ge=8, le=32768, description="Tokens per training sequence.")
     eval_fraction: float = Field(
@@ -45,8 +77,39 @@ class DatasetConfig(_Strict):
     )
     num_shards: int = Field(4, ge=1, le=4096, description="ArrayRecord shards for the train split.")
     max_bytes: int | None = Field(
-        None, ge=1, description="Stop reading sources after this many bytes (None: read all)."
+        None,
+        ge=1,
+        description="Use whole source files, in order, until their sizes reach this many "
+        "bytes (None: all files).",
     )
+    # exclude=True: the worker count never changes the shards' bytes, so it must not change
+    # the training hash either (a rerun with more workers resumes the same run).
+    workers: int = Field(
+        0,
+        ge=0,
+        le=256,
+        exclude=True,
+        description="Worker processes for sharding; 0: one per CPU. Does not change the bytes.",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_is_a_file(cls, value: str | None) -> str | None:
+        if value is not None and ("://" in value or not value.strip()):
+            raise ValueError(
+                f"tokenizer {value!r} must be the local path of a tokenizer.json file "
+                "(tokenizers are never downloaded)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _text_unit_needs_text(self) -> DatasetConfig:
+        if self.text_unit == "line" and self.format != "text":
+            raise ValueError(
+                f"dataset.text_unit = 'line' applies to dataset.format = 'text', "
+                f"not {self.format!r}"
+            )
+        return self
 
 
 # Named model sizes; fields given explicitly next to `size` override the preset.
@@ -255,6 +318,9 @@ class SliceConfig(_Strict):
         description="gcp: name of a prefect-gcp GcpCredentials block (None: Application "
         "Default Credentials). Never put keys in a config.",
     )
+    chaos: ChaosConfig = Field(
+        default_factory=ChaosConfig, description="local: injected preemptions and failures."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -353,6 +419,9 @@ class PipelineConfig(_Strict):
     slice: SliceConfig = Field(default_factory=SliceConfig, description="Compute slice.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Storage.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics sink.")
+    resilience: ResilienceConfig = Field(
+        default_factory=ResilienceConfig, description="Retry budgets for preemptions and failures."
+    )
 
     @field_validator("run_name")
     @classmethod

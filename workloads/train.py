@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workloads.train")
     parser.add_argument("--config", required=True, help="the run's config.json")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # force: a library may have installed a root handler already, which would swallow ours.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True
+    )
     from etils import epath
 
     notice = PreemptionNotice()

@@ -11,6 +11,7 @@ from infra.metrics.rows import (
     LandResult,
     RunRow,
     StepMetricRow,
+    SweepRow,
     table_schema,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "MetricsSink",
     "RunRow",
     "StepMetricRow",
+    "SweepRow",
     "build_sink",
     "table_schema",
 ]
@@ -38,6 +40,14 @@ class MetricsSink(Protocol):
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
     ) -> LandResult:
         """Replace the run's rows with these, atomically and idempotently."""
+        ...
+
+    def land_sweep(self, rows: Sequence[SweepRow]) -> int:
+        """Replace one sweep's `sweeps` rows with these, atomically and idempotently."""
+        ...
+
+    def read_run(self, run_id: str) -> RunRow | None:
+        """The run's `runs` row, or None if it has not landed."""
         ...
 
 

@@ -13,7 +13,8 @@ Exactly-once landing, whatever is retried:
 3. The staging tables are dropped (they also expire after a day, should a crash leave them).
 
 Running the landing twice, or again after a failure at any point, leaves the tables
-holding exactly the source's rows, once.
+holding exactly the source's rows, once. A sweep's trials (`sweeps`) land the same way,
+scoped by `sweep_id` instead of `run_id`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from infra.metrics.rows import (
     LandResult,
     RunRow,
     StepMetricRow,
+    SweepRow,
     TableRow,
+    one_sweep_id,
     table_schema,
 )
 
@@ -117,13 +120,7 @@ class BigQuerySink:
             ds.location = self.location
             self.client.create_dataset(ds, exists_ok=True, retry=RETRY)
         for model in self.models:
-            table = bigquery.Table(self._table(model), schema=bq_schema(model))
-            table.time_partitioning = bigquery.TimePartitioning(
-                type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
-            )
-            table.clustering_fields = ["run_id"]
-            existing = self.client.create_table(table, exists_ok=True, retry=RETRY)
-            self._add_columns(model, {f.name: f.field_type for f in existing.schema})
+            self._ensure_table(model)
         self._ready = True
 
     def land(
@@ -151,7 +148,7 @@ class BigQuerySink:
             rows = by_table.get(model.table, [])
             if rows:
                 self._stage(model, run.run_id, rows)
-                statements.append(self._merge_sql(model, run.run_id))
+                statements.append(self._merge_sql(model, "run_id", run.run_id))
             else:
                 statements.append(
                     f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
@@ -167,6 +164,37 @@ class BigQuerySink:
             evals=counts.get(EvalMetricRow.table, 0),
         )
 
+    def land_sweep(self, rows: Sequence[SweepRow]) -> int:
+        """Make the stored trials of one sweep exactly `rows`, once each (staging load +
+        MERGE scoped by `sweep_id`, as for runs). A trial given twice keeps its last row.
+
+        Args:
+            rows: the sweep's trials (all of one `sweep_id`).
+
+        Returns:
+            Rows written, after de-duplication.
+
+        Raises:
+            ValueError: no rows, or rows of several sweeps.
+        """
+        sweep_id = one_sweep_id(rows)
+        if not self._ready:
+            self.ensure_tables()
+        self._ensure_table(SweepRow)
+        trials = _dedupe(rows)[SweepRow.table]
+        self._stage(SweepRow, sweep_id, trials)
+        merge = self._merge_sql(SweepRow, "sweep_id", sweep_id)
+        self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
+        self.client.delete_table(self._staging(SweepRow, sweep_id), not_found_ok=True)
+        return len(trials)
+
+    def read_run(self, run_id: str) -> RunRow | None:
+        """The `runs` row of `run_id`, or None if it has not landed."""
+        rows = list(
+            self._query(f"SELECT * FROM `{self._table(RunRow)}` WHERE run_id = @run_id", run_id)
+        )
+        return RunRow.model_validate(dict(rows[0].items())) if rows else None
+
     def query(self, sql: str, run_id: str | None = None) -> list[tuple]:
         """Run one statement (with an optional `@run_id` parameter); rows as tuples."""
         return [tuple(row.values()) for row in self._query(sql, run_id)]
@@ -176,11 +204,21 @@ class BigQuerySink:
     def _table(self, model: type[TableRow]) -> str:
         return f"{self.dataset}.{model.table}"
 
-    def _staging(self, model: type[TableRow], run_id: str) -> str:
-        # Table names allow letters, digits and '_': the hash keeps distinct run ids apart.
-        safe = re.sub(r"[^A-Za-z0-9_]", "_", run_id)[:200]
-        digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
+    def _staging(self, model: type[TableRow], scope: str) -> str:
+        # Table names allow letters, digits and '_': the hash keeps distinct ids apart.
+        safe = re.sub(r"[^A-Za-z0-9_]", "_", scope)[:200]
+        digest = hashlib.sha256(scope.encode()).hexdigest()[:12]
         return f"{self.dataset}._staging_{model.table}_{safe}_{digest}"
+
+    def _ensure_table(self, model: type[TableRow]) -> None:
+        """Create the model's table (day-partitioned, clustered) or add its new columns."""
+        table = bigquery.Table(self._table(model), schema=bq_schema(model))
+        table.time_partitioning = bigquery.TimePartitioning(
+            type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
+        )
+        table.clustering_fields = list(model.cluster_fields)
+        existing = self.client.create_table(table, exists_ok=True, retry=RETRY)
+        self._add_columns(model, {f.name: f.field_type for f in existing.schema})
 
     def _add_columns(self, model: type[TableRow], have: dict[str, str]) -> None:
         """Add the model's columns the table lacks; refuse a column whose type changed."""
@@ -204,7 +242,7 @@ class BigQuerySink:
                 f"ADD COLUMN IF NOT EXISTS {field.name} {field.field_type}"
             )
 
-    def _stage(self, model: type[TableRow], run_id: str, rows: Sequence[TableRow]) -> None:
+    def _stage(self, model: type[TableRow], scope: str, rows: Sequence[TableRow]) -> None:
         data = "".join(json.dumps(r.model_dump(mode="json")) + "\n" for r in rows).encode()
         config = bigquery.LoadJobConfig(
             schema=bq_schema(model),
@@ -212,7 +250,7 @@ class BigQuerySink:
             write_disposition=bigquery.WriteDisposition.WRITE_TRUNCATE,
             create_disposition=bigquery.CreateDisposition.CREATE_IF_NEEDED,
         )
-        staging = self._staging(model, run_id)
+        staging = self._staging(model, scope)
         job = self.client.load_table_from_file(
             io.BytesIO(data), staging, job_config=config, rewind=True, location=self.location
         )
@@ -221,7 +259,7 @@ class BigQuerySink:
         table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
         self.client.update_table(table, ["expires"], retry=RETRY)
 
-    def _merge_sql(self, model: type[TableRow], run_id: str) -> str:
+    def _merge_sql(self, model: type[TableRow], scope_column: str, scope: str) -> str:
         columns = [c.name for c in table_schema(model)]
         key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
         updates = ", ".join(f"{c} = S.{c}" for c in columns if c not in model.primary_key)
@@ -229,10 +267,10 @@ class BigQuerySink:
         values = ", ".join(f"S.{c}" for c in columns)
         return (
             f"MERGE `{self._table(model)}` T\n"
-            f"USING `{self._staging(model, run_id)}` S\nON {key}\n"
+            f"USING `{self._staging(model, scope)}` S\nON {key}\n"
             f"WHEN MATCHED THEN UPDATE SET {updates}\n"
             f"WHEN NOT MATCHED BY TARGET THEN INSERT ({names}) VALUES ({values})\n"
-            f"WHEN NOT MATCHED BY SOURCE AND T.run_id = {_literal(run_id)} THEN DELETE"
+            f"WHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {_literal(scope)} THEN DELETE"
         )
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:

@@ -1,5 +1,5 @@
 """The embedded metrics sink: one DuckDB file with the `runs`, `step_metrics` and
-`eval_metrics` tables, created from the row models.
+`eval_metrics` tables (and `sweeps`, once a sweep lands), created from the row models.
 
 A connection is opened per operation and closed after it: DuckDB lets one process at a
 time hold a file open for writing, so sweep trials in several processes take turns, and
@@ -23,7 +23,9 @@ from infra.metrics.rows import (
     LandResult,
     RunRow,
     StepMetricRow,
+    SweepRow,
     TableRow,
+    one_sweep_id,
     table_schema,
 )
 
@@ -110,6 +112,45 @@ class DuckDBSink:
                 raise
         return LandResult(runs=1, steps=len(step_rows), evals=len(eval_rows))
 
+    def land_sweep(self, rows: Sequence[SweepRow]) -> int:
+        """Make the stored trials of one sweep exactly `rows`, atomically.
+
+        Landing the same sweep again leaves one row per trial; a trial given twice keeps
+        its last row.
+
+        Args:
+            rows: the sweep's trials (all of one `sweep_id`).
+
+        Returns:
+            Rows written, after de-duplication.
+
+        Raises:
+            ValueError: no rows, or rows of several sweeps.
+        """
+        sweep_id = one_sweep_id(rows)
+        trials = sorted({r.trial: r for r in rows}.values(), key=lambda r: r.trial)
+        with self._connect() as con:
+            con.execute(create_table_sql(SweepRow))
+            con.execute("BEGIN TRANSACTION")
+            try:
+                con.execute("DELETE FROM sweeps WHERE sweep_id = ?", [sweep_id])
+                self._insert(con, SweepRow, trials)
+                con.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(duckdb.Error):
+                    con.execute("ROLLBACK")
+                raise
+        return len(trials)
+
+    def read_run(self, run_id: str) -> RunRow | None:
+        """The `runs` row of `run_id`, or None if it has not landed."""
+        with self._connect() as con:
+            self._create_tables(con)
+            cur = con.execute("SELECT * FROM runs WHERE run_id = ?", [run_id])
+            row = cur.fetchone()
+            names = [d[0] for d in cur.description]
+        return None if row is None else RunRow.model_validate(dict(zip(names, row, strict=True)))
+
     def query(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple]:
         """Run one SQL statement and return all its rows (timestamps come back in UTC).
 
@@ -149,6 +190,13 @@ class DuckDBSink:
     def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
         for model in ROW_MODELS:
             con.execute(create_table_sql(model))
+            # Row models only ever grow by nullable columns: add them to an older file.
+            for column in table_schema(model):
+                if column.nullable:
+                    con.execute(
+                        f"ALTER TABLE {model.table} ADD COLUMN IF NOT EXISTS "
+                        f"{column.name} {column.type}"
+                    )
 
     @staticmethod
     def _insert(

@@ -54,6 +54,7 @@ class TableRow(BaseModel):
     table: ClassVar[str]
     primary_key: ClassVar[tuple[str, ...]]
     partition_field: ClassVar[str]  # the day-partition column in BigQuery
+    cluster_fields: ClassVar[tuple[str, ...]] = ("run_id",)  # BigQuery clustering
     metric_fields: ClassVar[tuple[str, ...]] = ()
 
     @field_validator("*", mode="before")
@@ -117,6 +118,18 @@ class RunRow(TableRow):
     params_sha256: str | None = None
     num_params: int | None = None
     run_dir: str
+    # The attempt ledger (events.jsonl): how the run survived, and what it cost in time.
+    attempts: int | None = None
+    preemptions: int | None = None
+    goodput: float | None = None  # productive step time / wall time
+    wall_s: float | None = None
+    productive_s: float | None = None
+    provisioning_s: float | None = None
+    startup_s: float | None = None
+    restore_s: float | None = None
+    lost_s: float | None = None
+    teardown_s: float | None = None
+    idle_s: float | None = None
 
 
 class StepMetricRow(_FlaggedRow):
@@ -162,6 +175,59 @@ class EvalMetricRow(_FlaggedRow):
     recorded_at: datetime
 
 
+class SweepRow(_FlaggedRow):
+    """One trial of one sweep, linked to the run it trained (`runs.run_id`).
+
+    Landed per sweep, not per run: a sweep's rows are replaced as a whole, so its ranks
+    and its best trial always come from one landing.
+    """
+
+    table: ClassVar[str] = "sweeps"
+    primary_key: ClassVar[tuple[str, ...]] = ("sweep_id", "trial")
+    partition_field: ClassVar[str] = "started_at"
+    cluster_fields: ClassVar[tuple[str, ...]] = ("sweep_id", "run_id")
+    metric_fields: ClassVar[tuple[str, ...]] = (
+        "objective_value",
+        "eval_loss",
+        "eval_bits_per_byte",
+        "train_loss_last",
+    )
+
+    sweep_id: str
+    trial: int
+    run_id: str
+    sweep_flow_run_id: str | None = None
+    flow_run_id: str | None = None  # the trial's own flow run
+    status: typing.Literal["completed", "failed", "cancelled", "crashed"]
+    error: str | None = None
+    params_json: str  # the trial's overrides of the base config, dotted keys
+    chips: int
+    objective: str
+    objective_value: float | None = None
+    rank: int | None = None  # 1 = best; NULL for a trial that did not complete
+    is_best: bool = False
+    eval_loss: float | None = None
+    eval_bits_per_byte: float | None = None
+    train_loss_last: float | None = None
+    nonfinite: bool = False
+    started_at: datetime
+    finished_at: datetime | None = None
+
+
+def one_sweep_id(rows: typing.Sequence[SweepRow]) -> str:
+    """The sweep id all `rows` share: a sweep landing replaces one sweep's rows, never two.
+
+    Raises:
+        ValueError: no rows, or rows of several sweeps.
+    """
+    ids = {r.sweep_id for r in rows}
+    if len(ids) != 1:
+        raise ValueError(f"a sweep landing needs the rows of exactly one sweep, got {sorted(ids)}")
+    return ids.pop()
+
+
+# The tables landed per run. `sweeps` is landed per sweep (see SweepRow) and created by
+# the first sweep landing, so a sink used only for runs holds only these three.
 ROW_MODELS: tuple[type[TableRow], ...] = (RunRow, StepMetricRow, EvalMetricRow)
 
 

@@ -96,6 +96,10 @@ class SliceSpec:
         command: the workload's argv; never a shell string, so nothing is re-parsed.
         env: extra environment for the workload on top of the provider's own.
         log_path: file receiving the workload's stdout and stderr.
+        run_dir: the run directory the workload reports to (the local provider's chaos
+            option watches it); None when unknown.
+        chaos: failures the local provider injects (see workloads' ChaosConfig fields);
+            other providers refuse a spec that asks for chaos.
     """
 
     name: str
@@ -105,6 +109,8 @@ class SliceSpec:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     log_path: str
+    run_dir: str | None = None
+    chaos: dict | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.name)

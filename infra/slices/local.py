@@ -35,6 +35,7 @@ from infra.slices.base import (
     SliceStatus,
     validate_name,
 )
+from infra.slices.chaos import ChaosMonkey
 
 _POLL_S = 0.02
 # After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
@@ -230,6 +231,11 @@ class LocalSliceProvider:
                 self._kill_group(spec.name, old, old_proc, grace_s=0.0)
             log_path = Path(spec.log_path)
             log_path.parent.mkdir(parents=True, exist_ok=True)
+            monkey = None
+            if spec.chaos:
+                run_key = spec.labels.get("run-id", spec.name)
+                monkey = ChaosMonkey(self.registry_dir, run_key, spec.chaos)
+                monkey.before_create(spec.name)
             proc = self._start_hosts(spec)
             record = {
                 "name": spec.name,
@@ -242,6 +248,10 @@ class LocalSliceProvider:
                 "hosts": spec.hosts,
                 "command": spec.command,
                 "created_at": datetime.now(UTC).isoformat(),
+                # The reaper deletes a slice whose creating process is gone (a SIGKILLed
+                # orchestrator) when no flow run state says otherwise.
+                "owner_pid": os.getpid(),
+                "owner_start_ticks": _start_ticks(os.getpid()),
                 "log_path": str(log_path),
             }
             try:
@@ -253,6 +263,8 @@ class LocalSliceProvider:
                 raise
             with self._lock:
                 self._owned[spec.name] = _Owned(proc, record)
+            if monkey is not None:
+                monkey.attach(proc.pid, spec.run_dir)
         return SliceStatus(spec.name, SliceState.READY, None, dict(spec.labels))
 
     @staticmethod
@@ -319,6 +331,15 @@ class LocalSliceProvider:
             if owned is not None and owned.proc.pid == record["pid"]:
                 del self._owned[name]
         return True
+
+    def owner_gone(self, name: str) -> bool:
+        """True if the process that created slice `name` no longer runs (it was killed
+        without tearing down); False while it runs or when the slice is unknown."""
+        record = self._read_record(validate_name(name))
+        if record is None or "owner_pid" not in record:
+            return False
+        ticks = _start_ticks(record["owner_pid"])
+        return ticks is None or ticks != record.get("owner_start_ticks")
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
         """Statuses of the registered slices whose labels include every pair of `labels`."""

@@ -27,7 +27,8 @@ from infra.slices.gcp import GcpSliceProvider
 from infra.slices.gcp_node import TpuSettings
 from tasks.landing import build_rows
 from tasks.plan import plan_run, slice_labels, write_workload_config
-from tasks.training import WorkloadPreempted, watch_slice, workload_command
+from tasks.training import workload_command
+from tasks.watch import WatchSettings, WorkloadPreempted, watch_slice
 from tests.emulator.conftest import REPO
 from tests.helpers import tiny_config
 from workloads import checkpoint, data
@@ -125,12 +126,12 @@ def test_a_preempted_tpu_run_resumes_and_lands_once(vms, gcs_client, bucket, bq_
         time.sleep(0.5)
     fake.preempt(ZONE, plan.slice_name)
     with pytest.raises(WorkloadPreempted):
-        watch_slice(provider, plan.slice_name, run_dir, 0.2, 300, print)
+        watch_slice(provider, plan.slice_name, run_dir, WatchSettings(0.2, 300, 0), print)
     machines.procs[plan.slice_name].wait(120)  # it saved and left its exit record
 
     # Attempt 2: the preempted node is deleted, a new one resumes from the GCS checkpoint.
     assert provider.create(spec).state is SliceState.READY
-    outcome = watch_slice(provider, plan.slice_name, run_dir, 0.2, 300, print)
+    outcome = watch_slice(provider, plan.slice_name, run_dir, WatchSettings(0.2, 300, 0), print)
     assert outcome.exit_code == 0 and outcome.final_step == 120
     assert fake.creates[plan.slice_name] == 2 and len(fake.nodes) == 1
     assert provider.status(plan.slice_name).state is SliceState.TERMINATED

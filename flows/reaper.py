@@ -1,0 +1,35 @@
+"""`reap-orphans`: delete slices whose owner is gone (deployed every 10 minutes)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
+
+from tasks.teardown import provider_for, reap
+from workloads.config import PipelineConfig
+
+
+def _flow_run_state(flow_run_id: str) -> str | None:
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(flow_run_id)
+        except (ObjectNotFound, ValueError):
+            return None
+    return run.state.type.value if run.state else None
+
+
+@task(name="reap-slices", cache_policy=NONE)
+def reap_slices(config: PipelineConfig) -> list[tuple[str, str]]:
+    """Delete this project's orphaned slices on the config's provider."""
+    reaped = reap(provider_for(config), _flow_run_state)
+    for name, reason in reaped:
+        get_run_logger().warning("reaped slice %s: %s", name, reason)
+    return reaped
+
+
+@flow(name="reap-orphans")
+def reap_orphans(config: PipelineConfig | None = None) -> list[tuple[str, str]]:
+    """Reap on the provider and storage root of `config` (default: the local ones)."""
+    return reap_slices(config or PipelineConfig())

@@ -1,0 +1,88 @@
+"""The second and third layers of teardown: flow hooks and the orphan reaper.
+
+The flow's `on_cancellation` and `on_crashed` hooks delete every slice labelled with the
+flow run's id. They cannot run if the orchestrator is SIGKILLed, so the reaper looks at
+every slice labelled as this project's and deletes those whose owner is gone: its flow
+run is in a terminal state, its `ttl` label has passed, or (local slices) the process that
+created it no longer exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from infra.slices import build_provider
+from tasks.plan import MANAGED_BY, plan_run
+from workloads.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
+
+
+def _config_of(parameters: dict[str, Any]) -> PipelineConfig:
+    raw = parameters.get("config")
+    if isinstance(raw, PipelineConfig):
+        return raw
+    return PipelineConfig.model_validate(raw or {})
+
+
+def provider_for(config: PipelineConfig):
+    """The slice provider a run with `config` used."""
+    return build_provider(config.slice.provider, plan_run(config).slices_root, config.slice)
+
+
+def delete_flow_run_slices(flow, flow_run, state) -> None:
+    """Flow hook: delete every slice labelled with this flow run's id (idempotent)."""
+    provider = provider_for(_config_of(flow_run.parameters))
+    for status in provider.list({"flow-run-id": str(flow_run.id)}):
+        provider.delete(status.name)
+        log.warning("flow run %s is %s: deleted slice %s", flow_run.id, state.type, status.name)
+
+
+def orphan_reason(
+    labels: dict[str, str], flow_run_state: str | None, now: float, owner_gone: bool | None
+) -> str | None:
+    """Why a managed slice should be reaped, or None to leave it alone.
+
+    Args:
+        labels: the slice's labels.
+        flow_run_state: state type of the owning flow run ("RUNNING", "COMPLETED", …), or
+            None if it has no owner label or the API does not know the run.
+        now: epoch seconds.
+        owner_gone: whether the creating process is gone; None if the provider cannot say.
+    """
+    ttl = labels.get("ttl")
+    if ttl and float(ttl) < now:
+        return f"ttl {ttl} has passed"
+    if flow_run_state in TERMINAL:
+        return f"its flow run is {flow_run_state}"
+    if owner_gone:
+        return "the process that created it is gone"
+    if owner_gone is None and labels.get("flow-run-id") and flow_run_state is None:
+        return "its flow run does not exist"
+    return None
+
+
+def reap(
+    provider, flow_run_state: Callable[[str], str | None], now: float | None = None
+) -> list[tuple[str, str]]:
+    """Delete every orphaned slice of this project; returns (name, reason) pairs."""
+    now = time.time() if now is None else now
+    owner_gone = getattr(provider, "owner_gone", None)
+    reaped = []
+    for status in provider.list({"managed-by": MANAGED_BY}):
+        run_id = status.labels.get("flow-run-id")
+        reason = orphan_reason(
+            status.labels,
+            flow_run_state(run_id) if run_id else None,
+            now,
+            owner_gone(status.name) if owner_gone else None,
+        )
+        if reason:
+            provider.delete(status.name)
+            reaped.append((status.name, reason))
+    return reaped

@@ -1,0 +1,117 @@
+"""Watching a training attempt, and the typed outcomes the retry policy acts on.
+
+- `WorkloadPreempted`: the slice was PREEMPTED/TERMINATED/lost, the workload exited with
+  its "preempted" code after a SIGTERM, or the heartbeat stayed silent past the timeout
+  and a second look confirmed it. Retried: re-provision and resume.
+- `ProvisioningError` (from infra): no capacity or quota. Retried with backoff.
+- `WorkloadFailed`: any other exit. A bug: never retried.
+
+A status read that fails is logged and read again on the next poll: one flaky API answer
+never starts a recovery by itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infra.slices import SliceState
+from workloads.rundir import RunDir
+from workloads.train import PREEMPTED_EXIT
+
+
+class WorkloadFailed(RuntimeError):
+    """The workload exited with an error: a bug or bad state, not worth a retry."""
+
+
+class WorkloadPreempted(RuntimeError):
+    """The attempt was lost to the platform; the run resumes in a new attempt."""
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """How a training attempt ended."""
+
+    slice_name: str
+    exit_code: int
+    final_step: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """How often to look, and how long silence may last before a second look."""
+
+    poll_s: float
+    heartbeat_timeout_s: float
+    confirm_s: float
+
+
+def watch_slice(
+    provider,
+    name: str,
+    run_dir: RunDir,
+    settings: WatchSettings,
+    log: Callable[[str], None],
+    on_heartbeat: Callable[[dict], None] | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> TrainOutcome:
+    """Wait until the workload on slice `name` exits.
+
+    Raises:
+        WorkloadPreempted: the attempt was lost (see the module docstring).
+        WorkloadFailed: the workload exited with an error.
+    """
+    started = clock()
+    last_step, suspect_since = None, None
+    while True:
+        try:
+            status = provider.status(name)
+        except Exception as exc:  # a transient API error: look again, never recover on it
+            log(f"reading slice {name} failed ({type(exc).__name__}: {exc}); retrying")
+            sleep(settings.poll_s)
+            continue
+        heartbeat = run_dir.read_status() or {}
+        step = heartbeat.get("step")
+        if step != last_step and step is not None:
+            log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
+            last_step = step
+            if on_heartbeat is not None:
+                on_heartbeat(heartbeat)
+        if status.state in (SliceState.PREEMPTED, SliceState.NOT_FOUND):
+            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {step}")
+        if status.state == SliceState.TERMINATED:
+            break
+        silent = clock() - max(heartbeat.get("time", started), started)
+        if silent <= settings.heartbeat_timeout_s:
+            suspect_since = None
+        elif suspect_since is None:
+            suspect_since = clock()  # first look: maybe a slow status write; look again
+        elif clock() - suspect_since >= settings.confirm_s:
+            raise WorkloadPreempted(
+                f"no heartbeat from slice {name} for {silent:.0f}s (slice.heartbeat_timeout_s "
+                f"= {settings.heartbeat_timeout_s:.0f}, confirmed after "
+                f"{settings.confirm_s:.0f}s); last phase {heartbeat.get('phase')!r}"
+            )
+        sleep(settings.poll_s)
+    return _ended(name, status.exit_code, run_dir.read_status() or {}, clock() - started)
+
+
+def _ended(name: str, code: int | None, final: dict, seconds: float) -> TrainOutcome:
+    if code == 0:
+        return TrainOutcome(name, 0, final.get("step"), seconds)
+    if code == PREEMPTED_EXIT:
+        raise WorkloadPreempted(f"workload on {name} saved step {final.get('step')} and exited")
+    if code is None or code in (-signal.SIGKILL, -signal.SIGTERM):
+        # Killed from outside, or the exit code is unknown: the platform took the slice.
+        how = f"signal {-code}" if code else "no exit code"
+        raise WorkloadPreempted(
+            f"workload on {name} was killed ({how}) at step {final.get('step')}"
+        )
+    raise WorkloadFailed(
+        f"workload on slice {name} exited with code {code}: "
+        f"{final.get('error') or 'see the slice log'}"
+    )

@@ -1,0 +1,153 @@
+"""Chaos: the whole flow under injected preemptions, capacity errors and a dead orchestrator.
+
+Each case asserts the outcome a user relies on, not just "no exception".
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.slices import build_provider
+from tasks.goodput import read_events
+from tests.helpers import REPO, processes_mentioning, tiny_config
+from workloads.rundir import RunDir
+
+pytestmark = pytest.mark.chaos
+
+EXACT = ("model.dtype=float32", "train.log_every=1", "train.steps=60", "train.checkpoint_every=10")
+
+
+def run_flow(root: Path, name: str, *overrides: str):
+    from flows.pipeline import tpu_training_pipeline
+
+    return tpu_training_pipeline(config=tiny_config(root, f"run_name={name}", *EXACT, *overrides))
+
+
+def attempts_of(run_dir: Path) -> list[list[dict]]:
+    """Metrics rows split per attempt (each attempt's first row says where it resumed)."""
+    attempts: list[list[dict]] = []
+    for row in RunDir(run_dir).read_metrics():
+        if "resumed_from" in row:
+            attempts.append([])
+        attempts[-1].append(row)
+    return attempts
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_harness):
+    root = tmp_path_factory.mktemp("chaos")
+    return root, run_flow(root, "reference")
+
+
+@pytest.mark.parametrize(
+    ("sig", "trigger", "max_lost"),
+    [
+        ("TERM", "at_step", 0),  # a preemption notice: the workload saves first
+        # A hard loss goes back to the last committed checkpoint: up to checkpoint_every
+        # steps, plus the steps that ran while a newer save was still being written.
+        ("KILL", "at_step", 20),
+        ("KILL", "during_save", 20),
+    ],
+)
+def test_preempted_runs_finish_with_the_uninterrupted_parameters(reference, sig, trigger, max_lost):
+    root, ref = reference
+    rng = random.Random(f"{sig}-{trigger}")
+    chaos = [f"slice.chaos.signal={sig}", "slice.chaos.times=2"]
+    chaos.append(
+        f"slice.chaos.at_step={rng.randint(3, 25)}"
+        if trigger == "at_step"
+        else "slice.chaos.during_save=true"
+    )
+    run = run_flow(root, f"{sig.lower()}-{trigger.replace('_', '-')}", *chaos)
+
+    assert run.status == "completed" and run.final_step == 60
+    assert run.params_sha256 == ref.params_sha256  # as if nothing had happened
+    assert (run.attempts, run.preemptions) == (3, 2)
+    attempts = attempts_of(Path(run.run_dir))
+    assert len(attempts) == 3
+    for before, after in itertools.pairwise(attempts):
+        lost = max(r["step"] for r in before) - after[0]["resumed_from"]
+        assert 0 <= lost <= max_lost, (before[-1], after[0])
+    assert 0 < run.goodput < 1 and run.lost_s >= 0
+
+
+def test_capacity_errors_back_off_then_succeed_with_one_slice(reference):
+    root, ref = reference
+    run = run_flow(root, "no-capacity", "slice.chaos.fail_creates=2", "resilience.backoff_s=0.2")
+    assert run.status == "completed" and run.params_sha256 == ref.params_sha256
+    events = [e for e in read_events(Path(run.run_dir) / "events.jsonl")]
+    kinds = [e["event"] for e in events if e["source"] == "orchestrator"]
+    assert kinds[:5] == [
+        "provision_requested",
+        "provision_failed",
+        "provision_requested",
+        "provision_failed",
+        "provision_requested",
+    ]
+    failed = [e["time"] for e in events if e["event"] == "provision_failed"]
+    retried = [e["time"] for e in events if e["event"] == "provision_requested"][1:]
+    # Backed off: exponential from backoff_s, with Prefect's jitter of up to ±50% around it.
+    gaps = [r - f for f, r in zip(failed, retried, strict=True)]
+    assert gaps[0] >= 0.2 * 0.5 and gaps[1] >= 0.4 * 0.5, gaps
+    assert run.attempts == 1 and run.preemptions == 0
+    assert build_provider("local", str(root)).list({"run-id": "no-capacity"}) == []
+
+
+def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
+    tmp_path, prefect_harness
+):
+    from flows.reaper import reap_orphans
+
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # its own ephemeral API, as a user's laptop would have
+    orchestrator = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            str(REPO / "configs/tiny.yaml"),
+            "--set",
+            f"storage.root={tmp_path}",
+            "--set",
+            "run_name=orphan",
+            "--set",
+            "train.steps=100000",
+            "--set",
+            "train.log_every=1",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    status = tmp_path / "runs" / "orphan" / "status.json"
+    deadline = time.monotonic() + 240
+    while not (status.exists() and json.loads(status.read_text()).get("phase") == "training"):
+        assert time.monotonic() < deadline and orchestrator.poll() is None, "never trained"
+        time.sleep(0.2)
+    orchestrator.send_signal(signal.SIGKILL)  # no finally, no hooks: only the reaper is left
+    orchestrator.wait()
+    config_path = str(tmp_path / "runs" / "orphan" / "config.json")
+    assert processes_mentioning(config_path), "the slice should have outlived its orchestrator"
+
+    config = tiny_config(tmp_path)
+    reaped = reap_orphans(config=config)
+    assert [name for name, _ in reaped] == ["tpupipe-orphan"]
+    assert build_provider("local", str(tmp_path)).list() == []
+    deadline = time.monotonic() + 30
+    while processes_mentioning(config_path):
+        assert time.monotonic() < deadline, "slice processes survived the reaper"
+        time.sleep(0.1)
+    assert reap_orphans(config=config) == []  # idempotent

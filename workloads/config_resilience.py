@@ -1,0 +1,68 @@
+"""Config of how a run survives the cloud: retry budgets, and chaos to prove it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ChaosConfig(_Strict):
+    """Failures the local slice provider injects, so anyone can reproduce a preemption.
+
+    Chaos is off unless `times` or `fail_creates` is above zero.
+    """
+
+    signal: Literal["TERM", "KILL"] = Field(
+        "TERM", description="TERM: a preemption notice (saves, exits 75); KILL: a hard loss."
+    )
+    at_step: int | None = Field(
+        None, ge=1, description="Signal once an attempt has trained this many steps."
+    )
+    after_s: float | None = Field(
+        None, gt=0, description="Signal this many seconds after an attempt starts."
+    )
+    during_save: bool = Field(
+        False, description="Signal right after a checkpoint save starts, while it is written."
+    )
+    times: int = Field(0, ge=0, description="How many attempts of the run are hit.")
+    fail_creates: int = Field(
+        0, ge=0, description="The run's first N slice creates fail with a capacity error."
+    )
+
+    @model_validator(mode="after")
+    def _has_a_trigger(self) -> ChaosConfig:
+        if self.times and self.at_step is None and self.after_s is None and not self.during_save:
+            raise ValueError(
+                "slice.chaos.times > 0 needs a trigger: slice.chaos.at_step, "
+                "slice.chaos.after_s or slice.chaos.during_save"
+            )
+        return self
+
+
+class ResilienceConfig(_Strict):
+    """Retry budgets: preemptions are expected, failures are not."""
+
+    max_preemptions: int = Field(
+        20, ge=0, description="Preempted attempts tolerated; each re-provisions and resumes."
+    )
+    max_failures: int = Field(
+        3,
+        ge=0,
+        description="Failed slice creates (capacity, quota) retried with backoff before the "
+        "run fails. A workload bug is never retried.",
+    )
+    backoff_s: float = Field(10.0, gt=0, description="First wait after a failed create.")
+    backoff_jitter: float = Field(
+        0.5, ge=0, le=1, description="Random fraction added to each wait, so runs spread out."
+    )
+    heartbeat_confirm_s: float = Field(
+        30.0,
+        ge=0,
+        description="A stale heartbeat is checked again after this long before the attempt "
+        "is declared lost (a slow status read never triggers a recovery by itself).",
+    )
