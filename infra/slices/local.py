@@ -3,10 +3,6 @@
 Each slice is recorded in `{registry_dir}/{name}.json` so other processes (the flow's
 hooks, the reaper, a CLI) can see and delete it; the provider instance that created a
 slice also keeps its `Popen`, which is the only way to learn the exit code.
-
-Process liveness is read from /proc where it exists: a killed process whose parent does
-not reap it stays a zombie, `os.killpg(pgid, 0)` still succeeds on it, and a delete that
-waited for that would hang. Containers whose PID 1 never reaps orphans make this common.
 """
 
 from __future__ import annotations
@@ -16,13 +12,10 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,165 +29,22 @@ from infra.slices.base import (
     validate_name,
 )
 from infra.slices.chaos import ChaosMonkey
+from infra.slices.procs import (
+    HostGroup,
+    Owned,
+    free_port,
+    group_alive,
+    host_log_path,
+    is_our_group,
+    live_members,
+    signal_group,
+    start_ticks,
+    wait_gone,
+    workload_env,
+)
 
-_POLL_S = 0.02
 # After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
 _KILL_WAIT_S = 10.0
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-# Exit codes after which the other hosts are still finishing (a clean exit or a
-# preemption save): the slice only ends once every host has exited.
-_ORDERLY_EXITS = (0, 75)
-
-
-class _HostGroup:
-    """The processes of a slice's hosts, seen as one Popen-like job led by host 0."""
-
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
-        self.procs = procs
-        self.pid = procs[0].pid
-
-    @property
-    def returncode(self) -> int | None:
-        codes = [p.returncode for p in self.procs]
-        # A host that crashed leaves the others blocked in collectives: report it at once.
-        failed = next((c for c in codes if c is not None and c not in _ORDERLY_EXITS), None)
-        if failed is not None:
-            return failed
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c != 0), 0)
-
-    def poll(self) -> int | None:
-        for p in self.procs:
-            p.poll()
-        return self.returncode
-
-    def wait(self) -> int | None:
-        for p in self.procs:
-            p.wait()
-        return self.returncode
-
-
-@dataclass
-class _Owned:
-    proc: _HostGroup
-    record: dict[str, Any]
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/{pid}/stat from field 3 (state) on; None if absent or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses; it ends at the last ')'.
-    return raw.rpartition(")")[2].split()
-
-
-def _start_ticks(pid: int) -> str | None:
-    """Boot-relative start time of `pid`, which tells a process from a later one reusing its id."""
-    fields = _proc_stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None
-
-
-def live_members(pgid: int) -> list[int] | None:
-    """Pids of the non-zombie processes in process group `pgid`.
-
-    Args:
-        pgid: process group id.
-
-    Returns:
-        The pids (empty when the group is gone or only zombies remain), or None when /proc
-        is not available and the caller must fall back to `os.killpg(pgid, 0)`.
-    """
-    if not os.path.isdir("/proc/self"):
-        return None
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _proc_stat(int(entry))
-            if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZX":
-                members.append(int(entry))
-    return members
-
-
-def _group_alive(pgid: int) -> bool:
-    members = live_members(pgid)
-    if members is not None:
-        return bool(members)
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):  # gone, or another user's reused id
-        return False
-    return True
-
-
-def _is_our_group(record: dict[str, Any]) -> bool:
-    """False if the leader's pid now belongs to a different process (so our group ended).
-
-    POSIX never reuses a pid while a process group of that id has members, so when no
-    process holds the leader's pid, any members left are still ours.
-    """
-    recorded, current = record.get("start_ticks"), _start_ticks(record["pgid"])
-    return recorded is None or current is None or recorded == current
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _wait_gone(pgid: int, proc: _HostGroup | None, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None:
-            proc.poll()  # reap our child, or it lingers as a zombie of this process
-        if not _group_alive(pgid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(_POLL_S)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def host_log_path(log_path: str, host: int) -> Path:
-    """Host 0 logs to `log_path`; host i to `<stem>-host<i><suffix>` beside it."""
-    path = Path(log_path)
-    return path if host == 0 else path.with_name(f"{path.stem}-host{host}{path.suffix}")
-
-
-def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None) -> dict[str, str]:
-    """The environment of the workload process for `host` of the slice.
-
-    Args:
-        spec: the slice spec; its env overrides this process's environment.
-        host: host index: one process per host, each with devices/hosts virtual devices.
-        coordinator: `host:port` of the JAX coordinator (host 0) when hosts > 1.
-
-    Returns:
-        os.environ + spec.env, with the virtual device count merged into XLA_FLAGS (any
-        earlier device-count flag replaced, other flags kept), JAX_PLATFORMS=cpu, and for
-        several hosts TPUPIPE_COORDINATOR_ADDRESS, TPUPIPE_NUM_PROCESSES and
-        TPUPIPE_PROCESS_ID, which the workload passes to `jax.distributed.initialize`.
-    """
-    env = {**os.environ, **spec.env}
-    if spec.hosts > 1:
-        env["TPUPIPE_COORDINATOR_ADDRESS"] = coordinator or f"127.0.0.1:{_free_port()}"
-        env["TPUPIPE_NUM_PROCESSES"] = str(spec.hosts)
-        env["TPUPIPE_PROCESS_ID"] = str(host)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
-    flags.append(f"{_DEVICE_FLAG}={spec.devices // spec.hosts}")
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 class LocalSliceProvider:
@@ -204,7 +54,7 @@ class LocalSliceProvider:
         """Use (and create) `registry_dir` as the registry of slices, one JSON file each."""
         self.registry_dir = Path(registry_dir)
         self.registry_dir.mkdir(parents=True, exist_ok=True)
-        self._owned: dict[str, _Owned] = {}
+        self._owned: dict[str, Owned] = {}
         self._lock = threading.Lock()
 
     def create(self, spec: SliceSpec) -> SliceStatus:
@@ -242,7 +92,7 @@ class LocalSliceProvider:
                 "pid": proc.pid,
                 "pids": [p.pid for p in proc.procs],
                 "pgid": proc.pid,  # host 0 leads the group: pgid == its pid
-                "start_ticks": _start_ticks(proc.pid),
+                "start_ticks": start_ticks(proc.pid),
                 "labels": spec.labels,
                 "devices": spec.devices,
                 "hosts": spec.hosts,
@@ -251,26 +101,26 @@ class LocalSliceProvider:
                 # The reaper deletes a slice whose creating process is gone (a SIGKILLed
                 # orchestrator) when no flow run state says otherwise.
                 "owner_pid": os.getpid(),
-                "owner_start_ticks": _start_ticks(os.getpid()),
+                "owner_start_ticks": start_ticks(os.getpid()),
                 "log_path": str(log_path),
             }
             try:
                 self._write_record(record)
             except BaseException:
                 # An unrecorded process is one nobody could find to delete: never leave one.
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
             with self._lock:
-                self._owned[spec.name] = _Owned(proc, record)
+                self._owned[spec.name] = Owned(proc, record)
             if monkey is not None:
                 monkey.attach(proc.pid, spec.run_dir)
         return SliceStatus(spec.name, SliceState.READY, None, dict(spec.labels))
 
     @staticmethod
-    def _start_hosts(spec: SliceSpec) -> _HostGroup:
+    def _start_hosts(spec: SliceSpec) -> HostGroup:
         """One process per host, all in one new process group so a delete kills them all."""
-        coordinator = f"127.0.0.1:{_free_port()}" if spec.hosts > 1 else None
+        coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
         procs: list[subprocess.Popen] = []
         try:
             for host in range(spec.hosts):
@@ -290,13 +140,13 @@ class LocalSliceProvider:
                     )
         except OSError as e:
             if procs:
-                _signal_group(procs[0].pid, signal.SIGKILL)
+                signal_group(procs[0].pid, signal.SIGKILL)
                 for p in procs:
                     p.wait()
             raise ProvisioningError(
                 f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
             ) from e
-        return _HostGroup(procs)
+        return HostGroup(procs)
 
     def status(self, name: str) -> SliceStatus:
         """READY while the group runs, TERMINATED after (exit code if we own it), else NOT_FOUND."""
@@ -338,7 +188,7 @@ class LocalSliceProvider:
         record = self._read_record(validate_name(name))
         if record is None or "owner_pid" not in record:
             return False
-        ticks = _start_ticks(record["owner_pid"])
+        ticks = start_ticks(record["owner_pid"])
         return ticks is None or ticks != record.get("owner_start_ticks")
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
@@ -384,7 +234,7 @@ class LocalSliceProvider:
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
         os.replace(tmp, self._path(record["name"]))
 
-    def _lookup(self, name: str) -> tuple[dict[str, Any] | None, _HostGroup | None]:
+    def _lookup(self, name: str) -> tuple[dict[str, Any] | None, HostGroup | None]:
         """The slice's record and, if this instance started that incarnation, its Popen."""
         record = self._read_record(name)
         with self._lock:
@@ -406,16 +256,16 @@ class LocalSliceProvider:
 
     @staticmethod
     def _kill_group(
-        name: str, record: dict[str, Any], proc: _HostGroup | None, grace_s: float
+        name: str, record: dict[str, Any], proc: HostGroup | None, grace_s: float
     ) -> None:
         pgid = record["pgid"]
-        if not _is_our_group(record):
+        if not is_our_group(record):
             return  # the pid now belongs to someone else: our group ended long ago
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         # The workload may trap SIGTERM to save a checkpoint, or ignore it: SIGKILL follows.
-        if not _wait_gone(pgid, proc, grace_s):
-            _signal_group(pgid, signal.SIGKILL)
-            if not _wait_gone(pgid, proc, _KILL_WAIT_S):
+        if not wait_gone(pgid, proc, grace_s):
+            signal_group(pgid, signal.SIGKILL)
+            if not wait_gone(pgid, proc, _KILL_WAIT_S):
                 raise SliceError(
                     f"slice {name!r}: processes {live_members(pgid)} of group {pgid} "
                     f"survived SIGKILL for {_KILL_WAIT_S}s"
@@ -424,9 +274,9 @@ class LocalSliceProvider:
             proc.wait()  # the leader is our child: reap it so no zombie of ours remains
 
     @staticmethod
-    def _state(record: dict[str, Any], proc: _HostGroup | None) -> tuple[SliceState, int | None]:
+    def _state(record: dict[str, Any], proc: HostGroup | None) -> tuple[SliceState, int | None]:
         if proc is not None:
             code = proc.poll()
             return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)
-        alive = _is_our_group(record) and _group_alive(record["pgid"])
+        alive = is_our_group(record) and group_alive(record["pgid"])
         return (SliceState.READY, None) if alive else (SliceState.TERMINATED, None)

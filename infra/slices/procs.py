@@ -1,0 +1,176 @@
+"""Processes of a local slice: host groups, liveness from /proc, signals and environment.
+
+Process liveness is read from /proc where it exists: a killed process whose parent does
+not reap it stays a zombie, `os.killpg(pgid, 0)` still succeeds on it, and a delete that
+waited for that would hang. Containers whose PID 1 never reaps orphans make this common.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.slices.base import SliceSpec
+
+_POLL_S = 0.02
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+# Exit codes after which the other hosts are still finishing (a clean exit or a
+# preemption save): the slice only ends once every host has exited.
+_ORDERLY_EXITS = (0, 75)
+
+
+class HostGroup:
+    """The processes of a slice's hosts, seen as one Popen-like job led by host 0."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self.pid = procs[0].pid
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [p.returncode for p in self.procs]
+        # A host that crashed leaves the others blocked in collectives: report it at once.
+        failed = next((c for c in codes if c is not None and c not in _ORDERLY_EXITS), None)
+        if failed is not None:
+            return failed
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def poll(self) -> int | None:
+        for p in self.procs:
+            p.poll()
+        return self.returncode
+
+    def wait(self) -> int | None:
+        for p in self.procs:
+            p.wait()
+        return self.returncode
+
+
+@dataclass
+class Owned:
+    proc: HostGroup
+    record: dict[str, Any]
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/{pid}/stat from field 3 (state) on; None if absent or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; it ends at the last ')'.
+    return raw.rpartition(")")[2].split()
+
+
+def start_ticks(pid: int) -> str | None:
+    """Boot-relative start time of `pid`, which tells a process from a later one reusing its id."""
+    fields = proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def live_members(pgid: int) -> list[int] | None:
+    """Pids of the non-zombie processes in process group `pgid`.
+
+    Args:
+        pgid: process group id.
+
+    Returns:
+        The pids (empty when the group is gone or only zombies remain), or None when /proc
+        is not available and the caller must fall back to `os.killpg(pgid, 0)`.
+    """
+    if not os.path.isdir("/proc/self"):
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = proc_stat(int(entry))
+            if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZX":
+                members.append(int(entry))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    members = live_members(pgid)
+    if members is not None:
+        return bool(members)
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or another user's reused id
+        return False
+    return True
+
+
+def is_our_group(record: dict[str, Any]) -> bool:
+    """False if the leader's pid now belongs to a different process (so our group ended).
+
+    POSIX never reuses a pid while a process group of that id has members, so when no
+    process holds the leader's pid, any members left are still ours.
+    """
+    recorded, current = record.get("start_ticks"), start_ticks(record["pgid"])
+    return recorded is None or current is None or recorded == current
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def wait_gone(pgid: int, proc: HostGroup | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None:
+            proc.poll()  # reap our child, or it lingers as a zombie of this process
+        if not group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_log_path(log_path: str, host: int) -> Path:
+    """Host 0 logs to `log_path`; host i to `<stem>-host<i><suffix>` beside it."""
+    path = Path(log_path)
+    return path if host == 0 else path.with_name(f"{path.stem}-host{host}{path.suffix}")
+
+
+def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None) -> dict[str, str]:
+    """The environment of the workload process for `host` of the slice.
+
+    Args:
+        spec: the slice spec; its env overrides this process's environment.
+        host: host index: one process per host, each with devices/hosts virtual devices.
+        coordinator: `host:port` of the JAX coordinator (host 0) when hosts > 1.
+
+    Returns:
+        os.environ + spec.env, with the virtual device count merged into XLA_FLAGS (any
+        earlier device-count flag replaced, other flags kept), JAX_PLATFORMS=cpu, and for
+        several hosts TPUPIPE_COORDINATOR_ADDRESS, TPUPIPE_NUM_PROCESSES and
+        TPUPIPE_PROCESS_ID, which the workload passes to `jax.distributed.initialize`.
+    """
+    env = {**os.environ, **spec.env}
+    if spec.hosts > 1:
+        env["TPUPIPE_COORDINATOR_ADDRESS"] = coordinator or f"127.0.0.1:{free_port()}"
+        env["TPUPIPE_NUM_PROCESSES"] = str(spec.hosts)
+        env["TPUPIPE_PROCESS_ID"] = str(host)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
+    flags.append(f"{_DEVICE_FLAG}={spec.devices // spec.hosts}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
