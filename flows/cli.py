@@ -2,6 +2,7 @@
 
     tpupipe run --config configs/demo.yaml --set train.steps=50
     tpupipe validate --config configs/demo.yaml
+    tpupipe shard --source corpus/ --out .tpupipe/datasets
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import os
 import sys
 
+from flows import shard_cli
 from workloads.config_file import ConfigError, load_config
 
 
@@ -37,12 +39,15 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a config field, e.g. --set train.steps=200 (repeatable)",
         )
+    shard_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "shard":
+        return shard_cli.run(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:

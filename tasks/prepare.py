@@ -2,12 +2,80 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
+from infra.storage import source_storage
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from workloads import data
-from workloads.config import PipelineConfig
+from workloads.config import DatasetConfig, PipelineConfig
+from workloads.data import DatasetError
+
+__all__ = ["ArtifactProgress", "DatasetError", "shard_corpus", "shard_dataset", "validate_config"]
+
+# Share of the progress bar each sharding stage fills (writing shards is the slower part).
+STAGE_SPAN = {"tokenize": (0.0, 40.0), "write": (40.0, 100.0)}
+
+
+def shard_corpus(
+    cfg: DatasetConfig,
+    out_root: str | os.PathLike,
+    progress: data.Progress | None = None,
+    gcs_client: Callable[[], Any] | None = None,
+) -> data.ShardResult:
+    """Shard (or find) the dataset, reading `gs://` sources through `infra.storage`.
+
+    A plain function, so `tpupipe shard` runs the same code as the task without Prefect.
+
+    Args:
+        cfg: The dataset options.
+        out_root: The datasets directory (the dataset lands in `out_root/<fingerprint>/`).
+        progress: `progress(stage, done, total)`, see `workloads.data.shard_dataset`.
+        gcs_client: Builds the Cloud Storage client (default: ADC or the emulator).
+
+    Raises:
+        DatasetError: naming the source, line, row or option at fault.
+    """
+    store = source_storage(cfg.sources, gcs_client)
+    return data.shard_dataset(cfg, out_root, progress=progress, store=store)
+
+
+class ArtifactProgress:
+    """A `progress(stage, done, total)` callback that moves a Prefect progress artifact.
+
+    Updates are API calls, so they are sent only when the bar moves by `min_step` percent
+    (and always at 100).
+    """
+
+    def __init__(
+        self,
+        description: str,
+        create: Callable[..., UUID] = create_progress_artifact,
+        update: Callable[..., Any] = update_progress_artifact,
+        min_step: float = 2.0,
+    ):
+        self._update, self._min_step = update, min_step
+        self._artifact = create(progress=0.0, description=description)
+        self.percent = 0.0
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        lo, hi = STAGE_SPAN[stage]
+        percent = lo + (hi - lo) * (done / total if total else 1.0)
+        if percent - self.percent >= self._min_step or (percent >= 100.0 > self.percent):
+            self._update(self._artifact, progress=percent)
+            self.percent = percent
+
+    def finish(self) -> None:
+        """Fill the bar (a cache hit reports no stages)."""
+        if self.percent < 100.0:
+            self._update(self._artifact, progress=100.0)
+            self.percent = 100.0
 
 
 @task(name="validate-config", cache_policy=NONE)
@@ -21,7 +89,9 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
     plan = plan_run(config, flow_run_id)
-    files = data.resolve_sources(config.dataset.sources)
+    dataset = config.dataset
+    files = data.resolve_sources(dataset.sources, source_storage(dataset.sources))
+    data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
     check_resumable(config, plan)
     get_run_logger().info(
         "run %s: %d source files, run directory %s", plan.run_id, len(files), plan.run_dir
@@ -29,11 +99,20 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     return plan
 
 
+# No Prefect cache policy: the dataset's manifest is the cache. It is checked where the
+# data lives, so it is right for the CLI, for another orchestrator process or machine, after
+# the Prefect database is reset, and when someone deleted the shards (a Prefect cache would
+# return a path to nothing). The fingerprint that names the directory is what a cache key
+# would hash anyway, and a hit costs one stat per source file.
 @task(name="shard-dataset", cache_policy=NONE)
 def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     """Shard the corpus to ArrayRecord (a no-op when the fingerprint's manifest exists)
-    and write the run's config.json pointing at it; returns the config path."""
-    result = data.shard_dataset(config.dataset, plan.datasets_root)
+    and write the run's config.json pointing at it; returns the config path.
+
+    A Prefect progress artifact follows the sharding."""
+    progress = ArtifactProgress(f"Sharding the dataset for run {plan.run_id}")
+    result = shard_corpus(config.dataset, plan.datasets_root, progress=progress)
+    progress.finish()
     splits = result.manifest["splits"]
     get_run_logger().info(
         "dataset %s (%s): %d train / %d eval sequences",

@@ -1,51 +1,86 @@
-"""Turn a text corpus into fixed-length, byte-tokenised ArrayRecord shards.
+"""Turn a corpus into fixed-length, tokenized ArrayRecord shards: the dataset entry point.
 
-Runs in the orchestrator. The output directory is named by a fingerprint of everything that
-changes its bytes (the files' paths, sizes and mtimes, and the dataset options), so a rerun
-with the same corpus finds the finished dataset and does no work. `manifest.json` is written
-last and atomically: a directory without one is an interrupted run, never a dataset.
+Runs in the orchestrator (the pipeline's shard task, or `tpupipe shard`). The output
+directory `{out_root}/{fingerprint}/` is named by a hash of everything that changes its
+bytes: each source file's URI, key, size and mtime (or GCS generation), the tokenizer file's
+content and every byte-changing option. A run that finds that directory's manifest does no
+work; that check is the cache (the shard task has no Prefect cache policy: see
+`tasks/prepare.py`).
 
-Layout of `{out_root}/{fingerprint}/`: `train-0000i-of-0000N.arrayrecord` (contiguous blocks of
-records), `eval-00000-of-00001.arrayrecord` and `manifest.json`. Each record is `seq_len + 1`
-little-endian uint16 token ids, consecutive records overlapping by one token so that every
-token of a split's stream is a target exactly once.
+A run has three phases, each safe to kill:
+    1. Tokenize: source files are grouped into units of consecutive files; worker processes
+       tokenize units into spill files under `.work/` (see `workloads.packing`). A later
+       run reuses every unit a killed one finished.
+    2. Write: workers write `train-0000i-of-0000N.arrayrecord` (contiguous blocks of the
+       train stream) and `eval-00000-of-00001.arrayrecord` under temporary names, each
+       renamed once complete and hashed.
+    3. Every shard is fsynced, then `manifest.json` is written last and atomically; then
+       `.work/` is removed.
+Output bytes depend on neither the worker count nor the unit size. A lock file (`.lock`)
+serialises concurrent runs on the same directory.
+
+Split: a document goes to eval when a hash of its key (its path relative to its source
+root, plus `#n` for the n-th document of a JSONL, Parquet or line-per-document file) falls
+below `eval_fraction`; if a split ends up empty, the last document of the other moves over.
 """
 
 from __future__ import annotations
 
-import glob
+import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
-import sysconfig
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
+from workloads.config import DatasetConfig
+from workloads.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TMP_PREFIX,
+    load_manifest,
+    shards_present,
+    verify_shards,
+    write_manifest,
+)
+from workloads.packing import UnitJob, finished_unit, tokenize_unit, write_shard
+from workloads.sources import (
+    DatasetError,
+    SourceFile,
+    SourceStore,
+    resolve_sources,
+    select_by_size,
+)
+from workloads.splits import plan_splits, plan_units, split_entries
+from workloads.tokens import TokenizerSpec, load_tokenizer
 
-from workloads.config import BYTE_VOCAB_SIZE, EOD_TOKEN, DatasetConfig
+__all__ = [
+    "MANIFEST",
+    "DatasetError",
+    "Progress",
+    "ShardResult",
+    "SourceFile",
+    "dataset_fingerprint",
+    "load_manifest",
+    "load_tokenizer",
+    "resolve_sources",
+    "shard_dataset",
+    "verify_shards",
+]
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-TOKENIZER = "bytes"
-RECORD_DTYPE = np.dtype("<u2")  # vocab <= 65536; explicit byte order so shards are portable
-WRITER_OPTIONS = "uncompressed,group_size:1"  # one record per chunk: cheap random access
-TMP_PREFIX = ".tmp-"
-
-
-class DatasetError(ValueError):
-    """A source is missing or unreadable, or the corpus cannot fill the requested shards."""
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """One input document, identified by what the fingerprint covers."""
-
-    path: str
-    size: int
-    mtime_ns: int
+Progress = Callable[[str, int, int], None]  # (stage "tokenize" | "write", done, total)
+WORK_DIR = ".work"
+LOCK = ".lock"
+# With workers=0 (auto), a smaller corpus is sharded in this process: starting worker
+# processes would cost more than they save.
+AUTO_PARALLEL_BYTES = 8 << 20
 
 
 @dataclass
@@ -57,319 +92,206 @@ class ShardResult:
     cached: bool
 
 
-def resolve_sources(sources: list[str]) -> list[SourceFile]:
-    """Expand source entries into the sorted, de-duplicated list of files they name.
+def byte_options(cfg: DatasetConfig) -> dict:
+    """The options that change the shards' bytes (what the fingerprint and manifest record).
 
-    Args:
-        sources: Files, directories (all regular files below, recursively), globs
-            (`**` allowed) or `"stdlib"` (every `*.py` of this Python's standard library,
-            without `site-packages`).
-
-    Returns:
-        The files sorted by absolute path.
-
-    Raises:
-        DatasetError: A source matches no file, a file cannot be read, or nothing is left.
+    Options that have no effect on the chosen format are left out, so changing them does
+    not miss the cache.
     """
-    found: dict[str, SourceFile] = {}
-    for source in sources:
-        paths = _expand(source)
-        if not paths:
-            raise DatasetError(f"dataset source {source!r} matches no file")
-        for path in paths:
-            if not os.access(path, os.R_OK):
-                raise DatasetError(f"dataset source {source!r}: file {path} is not readable")
-            st = os.stat(path)
-            found[path] = SourceFile(path, st.st_size, st.st_mtime_ns)
-    if not found:
-        raise DatasetError(f"dataset sources {sources!r} contain no files")
-    return [found[p] for p in sorted(found)]
-
-
-def _expand(source: str) -> list[str]:
-    if source == "stdlib":
-        root = sysconfig.get_paths()["stdlib"]
-        return [p for p in _walk(root, skip_dirs={"site-packages"}) if p.endswith(".py")]
-    if os.path.isdir(source):
-        return _walk(source)
-    if os.path.isfile(source):
-        return [os.path.abspath(source)]
-    paths: list[str] = []
-    for match in sorted(glob.glob(source, recursive=True)):
-        if os.path.isdir(match):
-            paths.extend(_walk(match))
-        elif os.path.isfile(match):  # sockets, fifos and dangling links are not documents
-            paths.append(os.path.abspath(match))
-    return paths
-
-
-def _walk(root: str, skip_dirs: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            if os.path.isfile(path):
-                out.append(os.path.abspath(path))
+    keys = {"format", "errors", "seq_len", "eval_fraction", "num_shards", "max_bytes"}
+    out = cfg.model_dump(mode="json", include=keys | {"tokenizer"})
+    if cfg.format == "text":
+        out["text_unit"] = cfg.text_unit
+    else:
+        out["text_field"] = cfg.text_field
     return out
 
 
-def dataset_fingerprint(files: list[SourceFile], cfg: DatasetConfig) -> str:
+def dataset_fingerprint(
+    files: list[SourceFile], cfg: DatasetConfig, tokenizer: TokenizerSpec
+) -> str:
     """First 16 hex digits of a sha256 over everything that changes the shards' bytes.
 
     Args:
-        files: The resolved sources (identity = path, size and mtime, not content, so a
-            cache hit costs one `stat` per file).
-        cfg: Dataset options; `sources` itself is covered by the resolved files.
+        files: The source files read (identity = URI, key, size and version, not content,
+            so a cache hit costs one `stat` or listing per file).
+        cfg: Dataset options; `sources` itself is covered by `files`, `tokenizer` by the
+            tokenizer's content rather than its path.
+        tokenizer: The loaded tokenizer.
 
     Returns:
         The fingerprint, also the dataset's directory name.
     """
+    options = {k: v for k, v in byte_options(cfg).items() if k != "tokenizer"}
     payload = {
         "format_version": FORMAT_VERSION,
-        "tokenizer": [TOKENIZER, BYTE_VOCAB_SIZE, EOD_TOKEN],
-        "options": [cfg.seq_len, cfg.eval_fraction, cfg.num_shards, cfg.max_bytes],
-        "files": [[f.path, f.size, f.mtime_ns] for f in files],
+        "tokenizer": tokenizer.fingerprint_entry(),
+        "options": options,
+        "files": [[f.uri, f.key, f.size, f.version] for f in files],
     }
-    blob = json.dumps(payload, separators=(",", ":")).encode()
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _select(files: list[SourceFile], max_bytes: int | None) -> list[SourceFile]:
-    """Whole documents in path order until the byte total reaches max_bytes (at least one)."""
-    if max_bytes is None:
-        return list(files)
-    chosen, total = [], 0
-    for f in files:
-        if chosen and total >= max_bytes:
-            break
-        chosen.append(f)
-        total += f.size
-    return chosen
-
-
-def _in_eval(path: str, eval_fraction: float) -> bool:
-    # Hash of the path, not of the position: adding a file does not reshuffle the others.
-    return int(hashlib.sha256(os.fsencode(path)).hexdigest()[:8], 16) / 2**32 < eval_fraction
-
-
-def split_documents(
-    files: list[SourceFile], cfg: DatasetConfig
-) -> tuple[list[SourceFile], list[SourceFile]]:
-    """Deterministic (train, eval) split by document, both non-empty.
-
-    A document goes to eval when a hash of its path falls below `eval_fraction`; if that
-    leaves a split empty, the last document of the other split moves over.
-
-    Args:
-        files: The documents, in path order.
-        cfg: Supplies `eval_fraction` (and `sources`, for the error message).
-
-    Returns:
-        (train, eval) documents, each in path order.
-
-    Raises:
-        DatasetError: Fewer than two documents, so one split would be empty.
-    """
-    train = [f for f in files if not _in_eval(f.path, cfg.eval_fraction)]
-    evals = [f for f in files if _in_eval(f.path, cfg.eval_fraction)]
-    if len(files) < 2:
-        raise DatasetError(
-            f"dataset sources {cfg.sources!r} give {len(files)} document(s); with "
-            f"eval_fraction={cfg.eval_fraction} train and eval each need at least one"
-        )
-    if not evals:
-        evals.append(train.pop())
-    elif not train:
-        train.append(evals.pop())
-    return train, evals
-
-
-def _token_stream(files: list[SourceFile]) -> np.ndarray:
-    """Each document's bytes followed by EOD, concatenated, as uint16 token ids."""
-    blobs = []
-    for f in files:
-        try:
-            with open(f.path, "rb") as fh:
-                blob = fh.read()
-        except OSError as exc:
-            raise DatasetError(f"cannot read dataset file {f.path}: {exc}") from exc
-        if len(blob) != f.size:
-            # The fingerprint promised this size; shards of other bytes would lie about it.
-            raise DatasetError(f"dataset file {f.path} changed while sharding; run again")
-        blobs.append(blob)
-    lengths = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
-    stream = np.empty(int(lengths.sum()) + len(blobs), dtype=RECORD_DTYPE)
-    eod_at = np.cumsum(lengths + 1) - 1
-    is_byte = np.ones(len(stream), dtype=bool)
-    is_byte[eod_at] = False
-    stream[is_byte] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-    stream[eod_at] = EOD_TOKEN
-    return stream
-
-
-def pack_records(stream: np.ndarray, seq_len: int) -> np.ndarray:
-    """Cut a token stream into overlapping training records.
-
-    Args:
-        stream: 1-D token ids.
-        seq_len: Tokens per training sequence.
-
-    Returns:
-        Shape (count, seq_len + 1): windows at stride seq_len, so each token after the first
-        is a target exactly once; the incomplete tail window is dropped.
-    """
-    count = max(0, (len(stream) - 1) // seq_len)
-    if count == 0:
-        return np.empty((0, seq_len + 1), dtype=stream.dtype)
-    windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)
-    return np.ascontiguousarray(windows[::seq_len][:count])
-
-
-def _write_shard(directory: Path, name: str, records: np.ndarray) -> dict:
-    tmp = directory / f"{TMP_PREFIX}{name}"
-    writer = ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
-    try:
-        for row in records:  # the writer takes one bytes object per record
-            writer.write(row.tobytes())
-    finally:
-        writer.close()
-    digest = _file_sha256(tmp, sync=True)
-    os.replace(tmp, directory / name)
-    return {"name": name, "records": len(records), "sha256": digest}
-
-
-def _file_sha256(path: Path, sync: bool = False) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-        if sync:  # the rename must not be durable before the bytes it names
-            os.fsync(fh.fileno())
-    return digest.hexdigest()
-
-
-def _write_manifest(directory: Path, manifest: dict) -> None:
-    tmp = directory / f"{TMP_PREFIX}{MANIFEST}"
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / MANIFEST)
-
-
-def load_manifest(dataset_dir: str | os.PathLike) -> dict:
-    """Read and sanity-check a dataset's manifest.
-
-    Raises:
-        DatasetError: naming the directory, if the manifest is missing or malformed.
-    """
-    path = Path(dataset_dir) / MANIFEST
-    if not path.is_file():
-        raise DatasetError(f"incomplete dataset: no {MANIFEST} in {dataset_dir}")
-    try:
-        manifest = json.loads(path.read_text())
-        if manifest["format_version"] != FORMAT_VERSION:
-            raise ValueError(f"format_version {manifest['format_version']} != {FORMAT_VERSION}")
-        for split in ("train", "eval"):
-            for shard in manifest["splits"][split]["shards"]:
-                _ = shard["name"], shard["records"], shard["sha256"]
-        _ = manifest["seq_len"], manifest["tokenizer"]["eod_token"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
-    return manifest
-
-
-def verify_shards(dataset_dir: str | os.PathLike) -> None:
-    """Check every shard's sha256 against the manifest.
-
-    Raises:
-        DatasetError: naming the first shard that is missing or differs.
-    """
-    manifest = load_manifest(dataset_dir)
-    for split in ("train", "eval"):
-        for shard in manifest["splits"][split]["shards"]:
-            path = Path(dataset_dir) / shard["name"]
-            try:
-                digest = _file_sha256(path)
-            except OSError as exc:
-                raise DatasetError(f"dataset shard {path} is unreadable: {exc}") from exc
-            if digest != shard["sha256"]:
-                raise DatasetError(f"dataset shard {path} does not match its manifest sha256")
 
 
 def shard_dataset(
     cfg: DatasetConfig,
     out_root: str | os.PathLike,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
+    store: SourceStore | None = None,
+    unit_bytes: int | None = None,
 ) -> ShardResult:
     """Build (or find) the sharded dataset for `cfg` under `out_root/<fingerprint>/`.
 
     Args:
-        cfg: Sources and packing options.
-        out_root: Directory that holds one sub-directory per dataset fingerprint.
-        progress: Called as `progress(records_written, records_total)` after each shard.
+        cfg: Sources, format, tokenizer and packing options; `cfg.workers` processes (0:
+            one per CPU, or none beyond this one for a corpus under 8 MiB). With more
+            than one, a script calling this needs the `if __name__ == "__main__":` guard:
+            workers start from a forkserver, which imports the main module.
+        out_root: Local directory holding one sub-directory per dataset fingerprint.
+        progress: Called as `progress(stage, done, total)`: stage "tokenize" counts source
+            bytes, "write" counts records.
+        store: Lists and opens `gs://` (any `scheme://`) sources.
+        unit_bytes: Source bytes per unit of work (default: about 1/32 of the corpus,
+            clamped to 1-256 MiB). Never changes the output bytes.
 
     Returns:
         The dataset directory, its manifest and whether it was already complete.
 
     Raises:
-        DatasetError: Bad sources, or too little text for the requested shards.
+        DatasetError: Bad sources or input, naming the place; or too little text for the
+            requested shards.
     """
-    files = resolve_sources(cfg.sources)
-    fingerprint = dataset_fingerprint(files, cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    files = select_by_size(resolve_sources(cfg.sources, store), cfg.max_bytes)
+    fingerprint = dataset_fingerprint(files, cfg, tokenizer)
     directory = Path(out_root) / fingerprint
-    if (directory / MANIFEST).is_file():
-        try:
-            return ShardResult(str(directory), load_manifest(directory), cached=True)
-        except DatasetError:
-            pass  # a corrupt manifest is rebuilt like a missing one
+    if (cached := _complete(directory)) is not None:
+        return cached
     directory.mkdir(parents=True, exist_ok=True)
-    for leftover in directory.glob(f"{TMP_PREFIX}*"):  # from a run killed mid-write
-        leftover.unlink()
+    with _locked(directory):
+        if (cached := _complete(directory)) is not None:  # another run finished meanwhile
+            return cached
+        for leftover in directory.glob(f"{TMP_PREFIX}*"):  # from a run killed mid-write
+            leftover.unlink()
+        work = directory / WORK_DIR
+        work.mkdir(exist_ok=True)
+        units = plan_units(files, cfg, tokenizer, str(work), store, unit_bytes)
+        workers = min(_workers(cfg, files), max(len(units), cfg.num_shards + 1))
+        with _pool(workers) as run:
+            metas = _tokenize(units, run, progress)
+            splits = plan_splits(units, metas, cfg, tokenizer, str(directory))
+            _write(splits, run, progress)
+        manifest = _manifest(fingerprint, cfg, tokenizer, files, splits)
+        write_manifest(directory, manifest)
+        shutil.rmtree(work, ignore_errors=True)
+    return ShardResult(str(directory), manifest, cached=False)
 
-    train_docs, eval_docs = split_documents(_select(files, cfg.max_bytes), cfg)
-    plan = {"train": (train_docs, cfg.num_shards), "eval": (eval_docs, 1)}
-    packed, streams = {}, {}
-    for split, (docs, shards) in plan.items():
-        streams[split] = _token_stream(docs)
-        packed[split] = pack_records(streams[split], cfg.seq_len)
-        if len(packed[split]) < shards:
-            raise DatasetError(
-                f"the {split} split has {len(packed[split])} record(s) of seq_len="
-                f"{cfg.seq_len}, fewer than its {shards} shard(s) (num_shards="
-                f"{cfg.num_shards}); add text, lower seq_len or lower num_shards"
-            )
 
-    total = sum(len(r) for r in packed.values())
-    done = 0
-    splits = {}
-    for split, (docs, shards) in plan.items():
-        records = packed[split]
-        bounds = [len(records) * i // shards for i in range(shards + 1)]
-        entries = []
-        for i in range(shards):
-            name = f"{split}-{i:05d}-of-{shards:05d}.arrayrecord"
-            entries.append(_write_shard(directory, name, records[bounds[i] : bounds[i + 1]]))
-            done += entries[-1]["records"]
-            if progress is not None:
-                progress(done, total)
-        splits[split] = {
-            "shards": entries,
-            "records": len(records),
-            "tokens": len(streams[split]),
-            "bytes": len(streams[split]) - len(docs),
-            "documents": len(docs),
-        }
-    manifest = {
+def _workers(cfg: DatasetConfig, files: list[SourceFile]) -> int:
+    if cfg.workers:
+        return cfg.workers
+    if sum(f.size for f in files) < AUTO_PARALLEL_BYTES:
+        return 1
+    return os.cpu_count() or 1
+
+
+def _complete(directory: Path) -> ShardResult | None:
+    if not (directory / MANIFEST).is_file():
+        return None
+    try:
+        manifest = load_manifest(directory)
+    except DatasetError:
+        return None  # a corrupt manifest is rebuilt like a missing one
+    if not shards_present(directory, manifest):
+        return None  # a deleted or truncated shard too
+    shutil.rmtree(directory / WORK_DIR, ignore_errors=True)  # killed after the manifest
+    return ShardResult(str(directory), manifest, cached=True)
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    # flock is released by the kernel when its holder dies, so a killed run never blocks
+    # the next one; a concurrent run waits here, then finds the manifest.
+    with open(directory / LOCK, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _pool(workers: int) -> Iterator[Callable]:
+    """`run(fn, jobs)` yielding results in job order: in this process for one worker, else
+    in worker processes started from a forkserver (forking the orchestrator itself, whose
+    Prefect threads may hold locks, could deadlock the child). A `ProcessPoolExecutor`, not
+    a `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging."""
+    if workers <= 1:
+        yield lambda fn, jobs: map(fn, jobs)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["workloads.packing"])
+    executor = ProcessPoolExecutor(workers, mp_context=ctx)
+    try:
+        yield lambda fn, jobs: executor.map(fn, jobs)
+    except BrokenProcessPool as exc:
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeError(
+            "a sharding worker process died (out of memory?); run again: the units of work "
+            "already finished are reused"
+        ) from exc
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)  # fail now, not after the queue
+        raise
+    executor.shutdown()
+
+
+def _tokenize(units: list[UnitJob], run: Callable, progress: Progress | None) -> list[dict]:
+    metas: list[dict | None] = [finished_unit(u) for u in units]
+    total = sum(f.size for u in units for f in u.files)
+    done = sum(f.size for u, m in zip(units, metas, strict=True) if m for f in u.files)
+    if progress:
+        progress("tokenize", done, total)
+    todo = [u for u, m in zip(units, metas, strict=True) if m is None]
+    for unit, meta in zip(todo, run(tokenize_unit, todo), strict=True):
+        metas[unit.index] = meta
+        done += sum(f.size for f in unit.files)
+        if progress:
+            progress("tokenize", done, total)
+    return metas
+
+
+def _write(splits: dict, run: Callable, progress: Progress | None) -> None:
+    jobs = [job for split in SPLITS for job in splits[split]["jobs"]]
+    total, done = sum(j.count for j in jobs), 0
+    if progress:
+        progress("write", 0, total)
+    entries = {}
+    for job, entry in zip(jobs, run(write_shard, jobs), strict=True):
+        entries[job.name] = entry
+        done += job.count
+        if progress:
+            progress("write", done, total)
+    for split in SPLITS:
+        splits[split]["shards"] = [entries[j.name] for j in splits[split]["jobs"]]
+
+
+def _manifest(
+    fingerprint: str,
+    cfg: DatasetConfig,
+    tokenizer: TokenizerSpec,
+    files: list[SourceFile],
+    splits: dict,
+) -> dict:
+    return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
-        "tokenizer": {"kind": TOKENIZER, "vocab_size": BYTE_VOCAB_SIZE, "eod_token": EOD_TOKEN},
-        "record": {"dtype": "uint16", "length": cfg.seq_len + 1},
+        "tokenizer": tokenizer.manifest_entry(),
+        "record": {"dtype": tokenizer.dtype, "length": cfg.seq_len + 1, "byte_order": "little"},
         "seq_len": cfg.seq_len,
-        "splits": splits,
-        "sources": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns} for f in files],
-        "options": cfg.model_dump(mode="json"),
+        "splits": split_entries(splits, cfg.seq_len),
+        "sources": [
+            {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
+        ],
+        "options": byte_options(cfg),
     }
-    _write_manifest(directory, manifest)
-    return ShardResult(str(directory), manifest, cached=False)

@@ -17,7 +17,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from workloads.data import RECORD_DTYPE, DatasetError, load_manifest
+from workloads.manifest import load_manifest, record_dtype, shard_paths
+from workloads.sources import DatasetError
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class DatasetInfo:
     vocab_size: int
     eod_token: int
     seq_len: int
-    bytes_per_token: float  # eval split: real bytes / tokens (EOD tokens carry no byte)
+    bytes_per_token: float  # eval split: UTF-8 bytes of its text / its tokens (EOD included)
     train_records: int
     eval_records: int
 
@@ -89,9 +90,7 @@ def decode_records(
 
 def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]:
     manifest = load_manifest(dataset_dir)
-    paths = [
-        os.path.join(os.fspath(dataset_dir), s["name"]) for s in manifest["splits"][split]["shards"]
-    ]
+    paths = shard_paths(dataset_dir, manifest, split)
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         # The reader would otherwise fail later with a less helpful C++ error.
@@ -99,10 +98,12 @@ def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict
     return grain.sources.ArrayRecordDataSource(paths), manifest
 
 
-def _stack(record_len: int) -> Any:
+def _stack(manifest: dict) -> Any:
+    dtype, record_len = record_dtype(manifest), manifest["record"]["length"]
+
     def stack(records: Sequence[bytes]) -> np.ndarray:
         # One frombuffer per batch rather than per record; a wrong length fails reshape.
-        return np.frombuffer(b"".join(records), dtype=RECORD_DTYPE).reshape(-1, record_len)
+        return np.frombuffer(b"".join(records), dtype=dtype).reshape(-1, record_len)
 
     return stack
 
@@ -142,7 +143,7 @@ def train_iterator(
     eod = manifest["tokenizer"]["eod_token"]
     ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat()
     ds = ds[shard_index::shard_count]
-    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack(manifest["record"]["length"]))
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack(manifest))
     ds = ds.map(lambda raw: decode_records(raw, eod))
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
     return iter(ds.to_iter_dataset(options))
@@ -189,7 +190,7 @@ def eval_batches(
         raise ValueError(f"batch_size={batch_size} must be at least 1")
     source, manifest = _split_source(dataset_dir, "eval")
     eod, length = manifest["tokenizer"]["eod_token"], manifest["record"]["length"]
-    stack = _stack(length)
+    stack = _stack(manifest)
     total = len(source)
     for b, start in enumerate(range(0, total, batch_size)):
         if b >= max_batches:

@@ -1,0 +1,256 @@
+"""Source formats (text lines, JSONL, gzip, Parquet), tokenizer files, and bad input named
+by its place."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.test_data import read_records
+from workloads import data, input
+from workloads.config import DatasetConfig
+from workloads.data import DatasetError
+from workloads.documents import iter_documents
+from workloads.sources import SourceFile
+
+TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (3 + i % 5) for i in range(40)]
+
+
+def cfg(path: Path, **kw) -> DatasetConfig:
+    return DatasetConfig(sources=[str(path)], **{"seq_len": 16, "num_shards": 2, **kw})
+
+
+def documents(path: Path, **kw) -> list[bytes]:
+    src = SourceFile(str(path), path.name, path.stat().st_size, path.stat().st_mtime_ns)
+    with open(path, "rb") as fh:
+        return list(iter_documents(fh, src, cfg(path, **kw)))
+
+
+def all_tokens(result: data.ShardResult) -> dict[str, np.ndarray]:
+    """Each split's stream as stored (records overlap by one token)."""
+    out = {}
+    for split in ("train", "eval"):
+        records = read_records(result.dataset_dir, result.manifest, split)
+        out[split] = np.concatenate([records[0], records[1:, 1:].ravel()])
+    return out
+
+
+def whole_documents(stream: np.ndarray, eod: int) -> list[list[int]]:
+    """The documents ended by an EOD in a token stream (a cut-off tail is dropped)."""
+    ends = np.flatnonzero(stream == eod)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [stream[a:b].tolist() for a, b in zip(starts, ends, strict=True)]
+
+
+def write_jsonl(path: Path, rows: list, opener=open) -> Path:
+    with opener(path, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def test_text_lines_are_documents(tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"first line\r\n\n   \nsecond line\nthird, no newline")
+    want = [b"first line", b"second line", b"third, no newline"]
+    assert documents(path, text_unit="line") == want
+    assert documents(path) == [path.read_bytes()]  # text_unit="file": the whole file
+    big = tmp_path / "big.txt"
+    big.write_text("\n".join(TEXTS))
+    m = data.shard_dataset(cfg(big, text_unit="line", eval_fraction=0.2), tmp_path / "o").manifest
+    # One file, yet both splits: the split is per line-document.
+    assert m["splits"]["train"]["documents"] + m["splits"]["eval"]["documents"] == len(TEXTS)
+    assert m["splits"]["eval"]["documents"] > 0
+    assert m["splits"]["train"]["bytes"] + m["splits"]["eval"]["bytes"] == sum(map(len, TEXTS))
+
+
+def test_jsonl_and_jsonl_gz_give_the_field_of_each_line(tmp_path):
+    rows = [{"id": i, "body": t} for i, t in enumerate(TEXTS)]
+    plain = write_jsonl(tmp_path / "a.jsonl", rows)
+    packed = write_jsonl(tmp_path / "a.jsonl.gz", rows, opener=gzip.open)
+    want = [t.encode() for t in TEXTS]
+    assert documents(plain, format="jsonl", text_field="body") == want
+    assert documents(packed, format="jsonl", text_field="body") == want
+    result = data.shard_dataset(
+        cfg(packed, format="jsonl", text_field="body", eval_fraction=0.2), tmp_path / "out"
+    )
+    splits = result.manifest["splits"]
+    assert splits["train"]["documents"] + splits["eval"]["documents"] == len(TEXTS)
+    assert result.manifest["options"]["text_field"] == "body"
+    # Every complete document in the stored stream is one of the lines' texts.
+    whole = [bytes(d) for d in whole_documents(all_tokens(result)["train"], 256)]
+    assert whole and set(whole) <= set(want)
+
+
+def test_parquet_string_and_binary_columns_over_row_groups(tmp_path):
+    path = tmp_path / "a.parquet"
+    table = pa.table({"text": TEXTS, "raw": [t.encode() for t in TEXTS], "n": range(40)})
+    pq.write_table(table, path, row_group_size=7)
+    want = [t.encode() for t in TEXTS]
+    assert documents(path, format="parquet") == want
+    assert documents(path, format="parquet", text_field="raw") == want
+    m = data.shard_dataset(cfg(path, format="parquet", eval_fraction=0.2), tmp_path / "o").manifest
+    assert m["splits"]["train"]["documents"] + m["splits"]["eval"]["documents"] == 40
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (['{"text": "ok"}', '{"text": "fine"}', '{"text": "broken'], r"a\.jsonl:3: malformed JSON"),
+        (['{"text": "ok"}', '{"body": "x"}'], r"a\.jsonl:2: no field 'text' \(fields: body\)"),
+        (['{"text": 5}'], r"a\.jsonl:1: field 'text' is a number, not a string"),
+        (['["text"]'], r"a\.jsonl:1: expected a JSON object, got an array"),
+        (['{"text": "\\ud800"}'], r"a\.jsonl:1: field 'text' holds an unpaired surrogate"),
+    ],
+)
+def test_bad_jsonl_names_file_and_line(tmp_path, rows, message):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DatasetError, match=message):
+        data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+
+
+def test_invalid_utf8_names_file_and_byte_offset_unless_replaced(tmp_path):
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"hello \xff world")
+    with pytest.raises(DatasetError, match=r"bad\.txt: invalid UTF-8 at byte offset 6 of the file"):
+        documents(text)
+    assert documents(text, errors="replace") == ["hello \ufffd world".encode()]
+    lines = tmp_path / "bad.jsonl"
+    lines.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: invalid UTF-8 at byte offset 30 "):
+        documents(lines, format="jsonl")
+    assert documents(lines, format="jsonl", errors="replace")[1] == "caf\ufffd".encode()
+    assert documents(lines, format="jsonl", errors="replace", text_field="text")[0] == b"fine"
+    (tmp_path / "good.txt").write_text("x" * 400)
+    result = data.shard_dataset(
+        DatasetConfig(sources=[str(tmp_path / "*.txt")], seq_len=8, num_shards=1,
+                      errors="replace", eval_fraction=0.4),
+        tmp_path / "out",
+    )
+    assert result.manifest["options"]["errors"] == "replace"
+
+
+def test_bad_parquet_names_file_column_and_row(tmp_path):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"body": ["a", "b", None], "n": [1, 2, 3]}), path)
+    with pytest.raises(DatasetError, match=r"a\.parquet: no column 'text' \(columns: body, n\)"):
+        documents(path, format="parquet")
+    with pytest.raises(DatasetError, match=r"a\.parquet: column 'n' has type int64, not text"):
+        documents(path, format="parquet", text_field="n")
+    with pytest.raises(DatasetError, match=r"a\.parquet: row 2: column 'body' is null"):
+        documents(path, format="parquet", text_field="body")
+    raw = tmp_path / "raw.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"caf\xe9"], pa.binary())}), raw)
+    with pytest.raises(DatasetError, match=r"raw\.parquet: row 1: invalid UTF-8 at byte offset 3"):
+        documents(raw, format="parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match=r"junk\.parquet: not a readable Parquet file"):
+        documents(tmp_path / "junk.parquet", format="parquet")
+
+
+def bpe_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> Path:
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", *extra])
+    tok.train_from_iterator(TEXTS, trainer)
+    tok.save(str(path))
+    return path
+
+
+def test_hugging_face_tokenizer_file(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, t in enumerate(TEXTS):
+        (corpus / f"{i:02d}.txt").write_text(t)
+    tok_path = bpe_tokenizer(tmp_path / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tok_path))
+    eod = tok.get_vocab_size(with_added_tokens=True)
+    result = data.shard_dataset(
+        cfg(corpus, tokenizer=str(tok_path), eval_fraction=0.2), tmp_path / "out"
+    )
+    m = result.manifest
+    assert m["tokenizer"]["kind"] == "huggingface" and m["tokenizer"]["eod_token"] == eod
+    assert m["tokenizer"]["vocab_size"] == eod + 1 and m["record"]["dtype"] == "uint16"
+    # The stored stream decodes back to whole documents, one per EOD.
+    docs = [tok.decode(d) for d in whole_documents(all_tokens(result)["train"], eod)]
+    assert docs and set(docs) <= set(TEXTS)
+    ev = m["splits"]["eval"]
+    info = input.dataset_info(result.dataset_dir)
+    assert info.vocab_size == eod + 1 and info.bytes_per_token == ev["bytes"] / ev["tokens"] > 1
+    # The fingerprint follows the file's content, not its name.
+    other = str(shutil.copy(tok_path, tmp_path / "renamed.json"))
+    same = data.shard_dataset(cfg(corpus, tokenizer=other, eval_fraction=0.2), tmp_path / "out")
+    assert same.cached and same.dataset_dir == result.dataset_dir
+
+
+def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
+    words = [f"w{i}" for i in range(70_000)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(6):
+        (corpus / f"{d}.txt").write_text(" ".join(words[69_000 + d * 100 :][:100]))
+    result = data.shard_dataset(cfg(corpus, tokenizer=str(tmp_path / "big.json")), tmp_path / "o")
+    assert result.manifest["record"]["dtype"] == "uint32"
+    assert result.manifest["tokenizer"]["eod_token"] == 70_000
+    batch = next(input.train_iterator(result.dataset_dir, batch_size=2, seed=0))
+    assert batch["inputs"].max() >= 69_000 and batch["inputs"].max() <= 70_000
+
+
+def test_a_tokenizer_file_changed_during_sharding_is_refused(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, t in enumerate(TEXTS):
+        (corpus / f"{i:02d}.txt").write_text(t)
+    # A tokenizer of its own: one already loaded in this process would not be read again.
+    tok_path = bpe_tokenizer(tmp_path / "tokenizer.json", extra=("[CHANGED]",))
+    real_resolve = data.resolve_sources
+
+    def resolve_then_retrain(*args, **kw):
+        files = real_resolve(*args, **kw)
+        tok_path.write_text(tok_path.read_text() + "\n")  # after the fingerprint's sha256
+        return files
+
+    monkeypatch.setattr(data, "resolve_sources", resolve_then_retrain)
+    with pytest.raises(DatasetError, match=r"tokenizer\.json changed during sharding"):
+        data.shard_dataset(cfg(corpus, tokenizer=str(tok_path)), tmp_path / "out")
+
+
+def test_tokenizer_file_errors(tmp_path):
+    with pytest.raises(DatasetError, match=r"tokenizer file .*missing\.json cannot be read"):
+        data.load_tokenizer(tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(DatasetError, match=r"junk\.json is not a tokenizers JSON file"):
+        data.load_tokenizer(tmp_path / "junk.json")
+    with pytest.raises(ValueError, match="never downloaded"):
+        DatasetConfig(tokenizer="hf://gpt2")
+
+
+def test_options_that_do_not_fit_the_format_are_refused():
+    with pytest.raises(ValueError, match=re.escape("text_unit = 'line' applies to")):
+        DatasetConfig(format="jsonl", text_unit="line")
+    # The worker count is left out of dumps, so it never changes the training hash.
+    assert "workers" not in json.loads(DatasetConfig(workers=3).model_dump_json())
+
+
+def test_bad_input_found_by_a_worker_process_is_raised_with_its_place(tmp_path):
+    for i in range(4):
+        write_jsonl(tmp_path / f"{i}.jsonl", [{"text": t} for t in TEXTS])
+    (tmp_path / "3.jsonl").write_text('{"text": "ok"}\n{"text": 1}\n')
+    corpus = DatasetConfig(
+        sources=[str(tmp_path / "*.jsonl")], format="jsonl", seq_len=16, workers=2
+    )
+    with pytest.raises(DatasetError, match=r"3\.jsonl:2: field 'text' is a number"):
+        data.shard_dataset(corpus, tmp_path / "out", unit_bytes=1)

@@ -1,0 +1,111 @@
+"""Kill a real sharding process with SIGKILL mid-way, then finish the job in a new run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_data import files_of
+from workloads import data
+from workloads.config import DatasetConfig
+from workloads.data import DatasetError
+
+# The child shards with two workers and reports progress slowly in the stage to be killed
+# (argv[3]), so the kill lands while there is work left; it prints each progress call for
+# the test to follow.
+CHILD = """
+import sys, time
+from workloads import data
+from workloads.config import DatasetConfig
+
+def progress(stage, done, total):
+    print(stage, done, total, flush=True)
+    if stage == sys.argv[3]:
+        time.sleep(0.3)
+
+cfg = DatasetConfig(sources=[sys.argv[1]], seq_len=64, num_shards=6, workers=2)
+data.shard_dataset(cfg, sys.argv[2], progress=progress, unit_bytes=40_000)
+print("done", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("resume") / "corpus"
+    root.mkdir()
+    rng = random.Random(0)
+    for i in range(40):  # 40 files of 10 kB: 10 units of work, 7 shards
+        (root / f"{i:02d}.txt").write_text("".join(rng.choices("abcdef gh\n", k=10_000)))
+    return root
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Processes of a process group that are not zombies."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+def kill_when(corpus: Path, out: Path, stage: str, after: int) -> None:
+    """Run the child and SIGKILL its whole process group (workers included) once it has
+    reported `after` progress calls of `stage`."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(corpus), str(out), stage],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    seen = 0
+    try:
+        for line in child.stdout:
+            assert not line.startswith("done"), "the child finished before it was killed"
+            seen += line.split()[0] == stage
+            if seen >= after:
+                break
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        child.stdout.close()
+    deadline = time.monotonic() + 10
+    while group_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_alive(child.pid) == []
+
+
+@pytest.mark.parametrize(("stage", "after"), [("tokenize", 4), ("write", 3)])
+def test_sigkill_mid_run_then_rerun_equals_a_clean_run(corpus, tmp_path, stage, after):
+    kill_when(corpus, tmp_path / "killed", stage, after)
+    (dataset_dir,) = (tmp_path / "killed").iterdir()
+    assert not (dataset_dir / "manifest.json").exists()
+    with pytest.raises(DatasetError, match="incomplete dataset"):
+        data.load_manifest(dataset_dir)
+
+    cfg = DatasetConfig(sources=[str(corpus)], seq_len=64, num_shards=6, workers=1)
+    calls = []
+    resumed = data.shard_dataset(
+        cfg, tmp_path / "killed", progress=lambda *a: calls.append(a), unit_bytes=40_000
+    )
+    assert not resumed.cached and resumed.dataset_dir == str(dataset_dir)
+    # Units the killed run finished are not tokenized again.
+    first_stage, done, total = calls[0]
+    assert first_stage == "tokenize" and 0 < done <= total
+    if stage == "write":
+        assert done == total
+    clean = data.shard_dataset(cfg, tmp_path / "clean", unit_bytes=40_000)
+    assert files_of(resumed.dataset_dir) == files_of(clean.dataset_dir)
+    assert sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith(".")) == [".lock"]
+    data.verify_shards(dataset_dir)

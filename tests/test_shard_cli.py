@@ -1,0 +1,60 @@
+"""`tpupipe shard` and the shard task's progress artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flows.cli import main
+from tasks.prepare import ArtifactProgress
+from tests.test_data import make_corpus
+from workloads import data
+
+
+def test_shard_command_writes_then_finds_the_dataset(tmp_path, capsys):
+    corpus = make_corpus(tmp_path)
+    argv = ["shard", "--source", str(corpus), "--out", str(tmp_path / "ds"), "--seq-len", "16"]
+    assert main([*argv, "--workers", "1"]) == 0
+    out, err = capsys.readouterr()
+    dataset_dir = out.strip()
+    assert Path(dataset_dir).parent == tmp_path / "ds"
+    assert data.load_manifest(dataset_dir)["seq_len"] == 16
+    assert "dataset written" in err
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == dataset_dir and "dataset found (cached)" in err
+
+
+def test_shard_command_exit_codes_name_the_problem(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    out = str(tmp_path / "ds")
+    assert main(["shard", "--source", str(bad), "--out", out, "--format", "jsonl"]) == 1
+    assert f"sharding failed: {bad}:2: no field 'text'" in capsys.readouterr().err
+    assert main(["shard", "--source", str(bad), "--out", out, "--seq-len", "4"]) == 2
+    assert "--seq-len: Input should be greater than or equal to 8" in capsys.readouterr().err
+    assert main(["shard", "--source", str(tmp_path / "none"), "--out", out]) == 1
+    assert "none' matches no file" in capsys.readouterr().err
+
+
+def test_artifact_progress_spans_both_stages_and_throttles():
+    sent = []
+
+    def fake(description: str) -> ArtifactProgress:
+        def update(artifact_id, progress):
+            assert artifact_id == f"id-{description}"
+            sent.append(progress)
+
+        return ArtifactProgress(description, lambda **kw: f"id-{kw['description']}", update)
+
+    bar = fake("sharding")
+    for done in range(0, 1001):
+        bar("tokenize", done, 1000)
+    for done in range(0, 101):
+        bar("write", done, 100)
+    assert sent == sorted(sent) and sent[-1] == 100.0
+    assert 40.0 in sent  # the end of the tokenize stage
+    assert len(sent) <= 52  # at most one update per 2 percent, not one per call
+    bar.finish()
+    assert sent[-1] == 100.0 and sent.count(100.0) == 1
+    fake("a cache hit").finish()
+    assert sent[-1] == 100.0 and sent.count(100.0) == 2

@@ -1,0 +1,182 @@
+"""Reading documents out of source files: plain text, JSONL (optionally gzipped) and Parquet.
+
+Every reader yields each document's text as UTF-8 `bytes`, and every failure names its place:
+the file, plus the line (JSONL, text lines), the row (Parquet) or the byte offset (invalid
+UTF-8). With `errors="strict"` invalid UTF-8 is an error; with `errors="replace"` each bad
+sequence becomes U+FFFD, as Python's `bytes.decode(errors="replace")` does.
+
+Formats (`DatasetConfig.format`):
+    text: the whole file is one document (`text_unit="file"`), or each line that is not
+        blank is one (`text_unit="line"`; the line break is not part of it).
+    jsonl: one JSON object per line, its text in `text_field`; blank lines are skipped.
+    parquet: the text is in column `text_field` (string or binary); a null is an error.
+
+Gzip is detected from the content (text and jsonl); byte offsets then count decompressed
+bytes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from workloads.config import DatasetConfig
+from workloads.sources import DatasetError, SourceFile
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def iter_documents(fh: BinaryIO, src: SourceFile, cfg: DatasetConfig) -> Iterator[bytes]:
+    """Yield every document of one open source file, in file order.
+
+    Args:
+        fh: The file, opened in binary mode at offset 0.
+        src: Which file it is (for messages).
+        cfg: `format`, `text_unit`, `text_field` and `errors`.
+
+    Yields:
+        Each document's text, valid UTF-8.
+
+    Raises:
+        DatasetError: naming the file and line, row or byte offset at fault.
+    """
+    if cfg.format == "parquet":
+        yield from _parquet(fh, src, cfg)
+        return
+    gz = fh.read(2) == _GZIP_MAGIC
+    fh.seek(0)
+    stream = gzip.GzipFile(fileobj=fh, mode="rb") if gz else fh
+    where = "of the decompressed file" if gz else "of the file"
+    try:
+        if cfg.format == "text" and cfg.text_unit == "file":
+            yield utf8(stream.read(), src.uri, 0, cfg.errors, where)
+        elif cfg.format == "text":
+            yield from _lines(stream, src, cfg, where)
+        else:
+            yield from _jsonl(stream, src, cfg, where)
+    except (OSError, EOFError) as exc:  # a truncated or corrupt gzip stream, a failed read
+        raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
+
+
+def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the file") -> bytes:
+    """Return `data` if it is valid UTF-8, else its repaired form or an error.
+
+    Args:
+        data: Raw bytes of a document or line.
+        place: Where it comes from, e.g. `corpus/a.txt` or `corpus/a.jsonl:17`.
+        offset: Byte offset of `data` in its file, so the message points into the file.
+        errors: "strict" or "replace".
+        where: How the offset is counted, for the message.
+
+    Raises:
+        DatasetError: `errors="strict"` and `data` holds invalid UTF-8.
+    """
+    if data.isascii():  # the common case, checked far faster than a decode
+        return data
+    try:
+        data.decode("utf-8")
+        return data
+    except UnicodeDecodeError as exc:
+        if errors == "replace":
+            return data.decode("utf-8", "replace").encode("utf-8")
+        raise DatasetError(
+            f"{place}: invalid UTF-8 at byte offset {offset + exc.start} {where} "
+            "(set dataset.errors=replace to substitute U+FFFD)"
+        ) from None
+
+
+def _numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset of the line, line without its line break)."""
+    offset = 0
+    for number, raw in enumerate(stream, start=1):
+        line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
+        yield number, offset, line
+        offset += len(raw)
+
+
+def _lines(stream: BinaryIO, src: SourceFile, cfg: DatasetConfig, where: str) -> Iterator[bytes]:
+    for number, offset, line in _numbered_lines(stream):
+        if line.strip():
+            yield utf8(line, f"{src.uri}:{number}", offset, cfg.errors, where)
+
+
+def _jsonl(stream: BinaryIO, src: SourceFile, cfg: DatasetConfig, where: str) -> Iterator[bytes]:
+    field = cfg.text_field
+    for number, offset, line in _numbered_lines(stream):
+        if not line.strip():
+            continue
+        place = f"{src.uri}:{number}"
+        text = utf8(line, place, offset, cfg.errors, where).decode("utf-8")
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(
+                f"{place}: malformed JSON: {exc.msg} at column {exc.colno}"
+            ) from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{place}: expected a JSON object, got {_json_type(obj)}")
+        if field not in obj:
+            keys = ", ".join(sorted(obj)[:10]) or "none"
+            raise DatasetError(f"{place}: no field {field!r} (fields: {keys}); set text_field")
+        value = obj[field]
+        if not isinstance(value, str):
+            raise DatasetError(f"{place}: field {field!r} is {_json_type(value)}, not a string")
+        yield _encode(value, place, field, cfg.errors)
+
+
+def _encode(value: str, place: str, field: str, errors: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        # Only a lone surrogate escape such as "\ud800" gets here: JSON allows it, UTF-8 not.
+        if errors == "replace":
+            return _SURROGATE.sub("\ufffd", value).encode("utf-8")
+        raise DatasetError(
+            f"{place}: field {field!r} holds an unpaired surrogate escape, which is not "
+            "valid UTF-8 (set dataset.errors=replace to substitute U+FFFD)"
+        ) from None
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number")
+
+
+def _parquet(fh: BinaryIO, src: SourceFile, cfg: DatasetConfig) -> Iterator[bytes]:
+    import pyarrow as pa  # only Parquet sources pay for the import
+    import pyarrow.parquet as pq
+
+    field = cfg.text_field
+    try:
+        pf = pq.ParquetFile(fh)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{src.uri}: not a readable Parquet file: {exc}") from None
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        columns = ", ".join(schema.names[:10])
+        raise DatasetError(f"{src.uri}: no column {field!r} (columns: {columns}); set text_field")
+    kind = schema.field(field).type
+    is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    if not (is_text or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+        raise DatasetError(f"{src.uri}: column {field!r} has type {kind}, not text")
+    row = 0
+    for group in range(pf.num_row_groups):
+        try:
+            column = pf.read_row_group(group, columns=[field]).column(0)
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(
+                f"{src.uri}: cannot read column {field!r} of row group {group}: {exc}"
+            ) from None
+        for value in column.cast(pa.large_binary()).to_pylist():
+            if value is None:
+                raise DatasetError(f"{src.uri}: row {row}: column {field!r} is null")
+            if not is_text:  # pyarrow has validated a string column's UTF-8 already
+                value = utf8(value, f"{src.uri}: row {row}", 0, cfg.errors, "of the value")
+            yield value
+            row += 1

@@ -1,0 +1,136 @@
+"""`manifest.json`: the last file a sharding run writes, and the only proof a dataset is whole.
+
+A dataset directory without a manifest is an interrupted run and is never read. The manifest
+lists every shard with its record count, size and sha256, the tokenizer, the record layout,
+the options and sources the dataset was built from, and its fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from workloads.sources import DatasetError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 (uint16, byte tokenizer) has every field readers use
+TMP_PREFIX = ".tmp-"
+SPLITS = ("train", "eval")
+
+
+def load_manifest(dataset_dir: str | os.PathLike) -> dict:
+    """Read and sanity-check a dataset's manifest.
+
+    Args:
+        dataset_dir: A directory written by `workloads.data.shard_dataset`.
+
+    Returns:
+        The manifest as a dict.
+
+    Raises:
+        DatasetError: naming the directory, if the manifest is missing or malformed.
+    """
+    path = Path(dataset_dir) / MANIFEST
+    if not path.is_file():
+        raise DatasetError(f"incomplete dataset: no {MANIFEST} in {dataset_dir}")
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest["format_version"] not in READABLE_VERSIONS:
+            raise ValueError(f"format_version {manifest['format_version']} is not readable")
+        for split in SPLITS:
+            for shard in manifest["splits"][split]["shards"]:
+                _ = shard["name"], shard["records"], shard["sha256"]
+        _ = manifest["seq_len"], manifest["tokenizer"]["eod_token"]
+        record_dtype(manifest)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
+    return manifest
+
+
+def record_dtype(manifest: dict) -> np.dtype:
+    """The stored token type: little-endian uint16 or uint32, as the manifest says."""
+    name = manifest["record"]["dtype"]
+    if name not in ("uint16", "uint32"):
+        raise ValueError(f"record dtype {name!r} is not uint16 or uint32")
+    return np.dtype(name).newbyteorder("<")
+
+
+def shard_paths(dataset_dir: str | os.PathLike, manifest: dict, split: str) -> list[str]:
+    """Paths of one split's shards, in stream order."""
+    return [
+        os.path.join(os.fspath(dataset_dir), s["name"]) for s in manifest["splits"][split]["shards"]
+    ]
+
+
+def verify_shards(dataset_dir: str | os.PathLike) -> None:
+    """Check every shard's sha256 against the manifest.
+
+    Raises:
+        DatasetError: naming the first shard that is missing or differs.
+    """
+    manifest = load_manifest(dataset_dir)
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            path = Path(dataset_dir) / shard["name"]
+            try:
+                digest = file_sha256(path)
+            except OSError as exc:
+                raise DatasetError(f"dataset shard {path} is unreadable: {exc}") from exc
+            if digest != shard["sha256"]:
+                raise DatasetError(f"dataset shard {path} does not match its manifest sha256")
+
+
+def shards_present(dataset_dir: str | os.PathLike, manifest: dict) -> bool:
+    """Whether every shard exists with the size the manifest records: the cheap check a
+    cache hit makes (a full `verify_shards` reads every byte)."""
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            try:
+                size = os.stat(Path(dataset_dir) / shard["name"]).st_size
+            except OSError:
+                return False
+            if "bytes" in shard and size != shard["bytes"]:
+                return False
+    return True
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
+    """Make the dataset durable and complete: fsync every shard and the directory, then
+    write the manifest atomically (temporary name, fsync, rename, directory fsync).
+
+    The manifest must never be durable before the bytes it vouches for; until it exists,
+    a crash leaves an incomplete dataset that no reader trusts and the next run redoes.
+    """
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            _fsync(Path(dataset_dir) / shard["name"])
+    _fsync(dataset_dir)  # the shards' renames
+    tmp = Path(dataset_dir) / f"{TMP_PREFIX}{MANIFEST}"
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, Path(dataset_dir) / MANIFEST)
+    _fsync(dataset_dir)
+
+
+def _fsync(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

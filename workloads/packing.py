@@ -1,0 +1,207 @@
+"""The two kinds of work a sharding run hands to worker processes.
+
+1. `tokenize_unit`: read a run of consecutive source files, split their documents between
+   train and eval, tokenize them and append each split's ids to a spill file in the work
+   directory. Its small JSON summary is written last, so a unit with a summary is finished
+   and a killed run's later attempt reuses it instead of reading the files again.
+2. `write_shard`: cut a contiguous block of records out of a split's token stream (the
+   concatenation of the units' spill files) and write it as one ArrayRecord shard under a
+   temporary name, renamed once complete and hashed. Shards are fsynced together just
+   before the manifest (`workloads.manifest.write_manifest`), the commit point: syncing
+   each as it is written made parallel writers wait on each other's journal commits.
+
+Records are windows of `seq_len + 1` ids at stride `seq_len` (consecutive records share one
+id), so each id after the first is a target exactly once. Documents are packed back to back,
+each ending in EOD; the reader derives segment ids and positions from the EOD ids, so
+attention never crosses a document boundary and no slot is padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from workloads.config import DatasetConfig
+from workloads.documents import iter_documents
+from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256
+from workloads.sources import SourceFile, SourceStore, open_source
+from workloads.tokens import TokenizerSpec, encode
+
+WORK_VERSION = 1  # bump when a unit's spill files change meaning, so stale ones are redone
+WRITER_OPTIONS = "uncompressed,group_size:1"  # one record per chunk: what grain reads fastest
+ENCODE_BATCH_BYTES = 4 << 20  # documents tokenized together: bounds a worker's memory
+RECORD_BLOCK = 1 << 15  # records built at once while writing a shard: bounds memory too
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """Consecutive source files tokenized by one worker into `work_dir/unit-NNNNN.*`."""
+
+    index: int
+    files: tuple[SourceFile, ...]
+    cfg: DatasetConfig
+    tokenizer: TokenizerSpec
+    work_dir: str
+    store: SourceStore | None = None
+
+    def path(self, suffix: str) -> Path:
+        """The unit's file with this suffix: `train`, `eval` (token ids) or `json`."""
+        return Path(self.work_dir) / f"unit-{self.index:05d}.{suffix}"
+
+    def identity(self) -> list:
+        """What a reusable summary must match: the work format and the unit's files."""
+        return [WORK_VERSION, [[f.uri, f.size, f.version] for f in self.files]]
+
+
+def in_eval(key: str, eval_fraction: float) -> bool:
+    """Whether the document named `key` is held out: a hash of its name, not its position,
+    so adding a document never moves another across the split."""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+
+def finished_unit(job: UnitJob) -> dict | None:
+    """The summary of a unit a previous attempt finished, or None if it must be (re)done."""
+    try:
+        meta = json.loads(job.path("json").read_text())
+        if meta["identity"] != job.identity():
+            return None
+        itemsize = np.dtype(job.tokenizer.dtype).itemsize
+        for split in SPLITS:
+            if job.path(split).stat().st_size != meta[split]["tokens"] * itemsize:
+                return None
+        return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def tokenize_unit(job: UnitJob) -> dict:
+    """Tokenize one unit's files into its spill files; returns the unit's summary.
+
+    The summary holds, per split, `tokens`, `documents`, `bytes` (UTF-8 text) and the last
+    document's `last_tokens` and `last_bytes`, so the run can move one document between
+    splits without reading it again.
+
+    Raises:
+        DatasetError: from reading or decoding a source, naming the place.
+    """
+    multi = not (job.cfg.format == "text" and job.cfg.text_unit == "file")
+    fields = ("tokens", "documents", "bytes", "last_tokens", "last_bytes")
+    stats = {s: dict.fromkeys(fields, 0) for s in SPLITS}
+    pending: dict[str, list[bytes]] = {s: [] for s in SPLITS}
+    pending_bytes = dict.fromkeys(SPLITS, 0)
+    outs = {s: open(job.path(f"{s}.tmp"), "wb") for s in SPLITS}  # noqa: SIM115
+
+    def flush(split: str) -> None:
+        ids, last = encode(job.tokenizer, pending[split])
+        outs[split].write(ids.tobytes())
+        st = stats[split]
+        st["tokens"] += len(ids)
+        st["last_tokens"], st["last_bytes"] = last, len(pending[split][-1])
+        pending[split], pending_bytes[split] = [], 0
+
+    try:
+        for src in job.files:
+            with open_source(src, job.store) as fh:
+                for n, doc in enumerate(iter_documents(fh, src, job.cfg)):
+                    # A multi-document file's documents are split one by one, so even a
+                    # single large JSONL file yields both splits.
+                    key = f"{src.key}#{n}" if multi else src.key
+                    split = "eval" if in_eval(key, job.cfg.eval_fraction) else "train"
+                    pending[split].append(doc)
+                    pending_bytes[split] += len(doc)
+                    stats[split]["documents"] += 1
+                    stats[split]["bytes"] += len(doc)
+                    if pending_bytes[split] >= ENCODE_BATCH_BYTES:
+                        flush(split)
+        for split in SPLITS:
+            if pending[split]:
+                flush(split)
+    finally:
+        for fh in outs.values():
+            fh.close()
+    for split in SPLITS:  # a crash between renames leaves no summary, so nothing is trusted
+        os.replace(job.path(f"{split}.tmp"), job.path(split))
+    meta = {"identity": job.identity(), **stats}
+    tmp = job.path("json.tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, job.path("json"))
+    return meta
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Records `[first, first + count)` of a split's stream, written as shard `name`.
+
+    `parts` lists the stream's pieces in order as (spill file, first token, token count).
+    """
+
+    directory: str
+    name: str
+    parts: tuple[tuple[str, int, int], ...]
+    dtype: str
+    seq_len: int
+    first: int
+    count: int
+
+
+def read_stream(
+    parts: tuple[tuple[str, int, int], ...], dtype: np.dtype, start: int, stop: int
+) -> np.ndarray:
+    """Tokens `[start, stop)` of the stream made of `parts`."""
+    out, base = [], 0
+    for path, offset, length in parts:
+        lo, hi = max(start, base), min(stop, base + length)
+        if lo < hi:
+            at = (offset + lo - base) * dtype.itemsize
+            out.append(np.fromfile(path, dtype=dtype, count=hi - lo, offset=at))
+        base += length
+    tokens = np.concatenate(out) if out else np.empty(0, dtype=dtype)
+    if len(tokens) != stop - start:
+        raise ValueError(f"token stream holds {base} ids, asked for [{start}, {stop})")
+    return tokens
+
+
+def pack_records(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """Cut a token stream into records of `seq_len + 1` ids at stride `seq_len`.
+
+    Args:
+        tokens: 1-D ids.
+        seq_len: Tokens per training sequence.
+
+    Returns:
+        Shape (count, seq_len + 1); the incomplete tail is dropped.
+    """
+    count = max(0, (len(tokens) - 1) // seq_len)
+    records = np.empty((count, seq_len + 1), dtype=tokens.dtype)
+    # Two contiguous copies: much faster than materialising a strided window view.
+    records[:, :seq_len] = tokens[: count * seq_len].reshape(count, seq_len)
+    records[:, seq_len] = tokens[seq_len : count * seq_len + 1 : seq_len]
+    return records
+
+
+def write_shard(job: ShardJob) -> dict:
+    """Write one shard atomically; returns its manifest entry (name, records, bytes, sha256)."""
+    dtype = np.dtype(job.dtype).newbyteorder("<")
+    final = Path(job.directory) / job.name
+    tmp = final.with_name(f"{TMP_PREFIX}{job.name}")
+    writer = ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
+    try:
+        for first in range(job.first, job.first + job.count, RECORD_BLOCK):
+            n = min(RECORD_BLOCK, job.first + job.count - first)
+            start = first * job.seq_len
+            tokens = read_stream(job.parts, dtype, start, start + n * job.seq_len + 1)
+            for row in pack_records(tokens, job.seq_len):
+                writer.write(row.tobytes())  # the writer takes one bytes object per record
+    finally:
+        writer.close()
+    digest = file_sha256(tmp)
+    size = tmp.stat().st_size
+    os.replace(tmp, final)
+    return {"name": job.name, "records": job.count, "bytes": size, "sha256": digest}

@@ -1,0 +1,134 @@
+"""Planning a sharding run: units of work over the source files, and each split's stream.
+
+A split's token stream is the concatenation, in unit order, of the units' spill files for
+that split. Its records are cut into shards of contiguous blocks (`train-0000i-of-0000N`,
+one `eval` shard), so every shard's content follows from the totals alone, and shards can be
+written in parallel.
+"""
+
+from __future__ import annotations
+
+from workloads.config import DatasetConfig
+from workloads.manifest import SPLITS
+from workloads.packing import ShardJob, UnitJob
+from workloads.sources import DatasetError, SourceFile, SourceStore
+from workloads.tokens import TokenizerSpec
+
+MIN_UNIT_BYTES, MAX_UNIT_BYTES, UNITS_TARGET = 1 << 20, 256 << 20, 32
+
+
+def plan_units(
+    files: list[SourceFile],
+    cfg: DatasetConfig,
+    tokenizer: TokenizerSpec,
+    work: str,
+    store: SourceStore | None,
+    unit_bytes: int | None,
+) -> list[UnitJob]:
+    """Group the files, in order, into units of about `unit_bytes` (default: 1/32 of the
+    corpus, clamped to 1-256 MiB); a unit is one worker's job."""
+    if unit_bytes is None:
+        total = sum(f.size for f in files)
+        unit_bytes = min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_TARGET))
+    groups: list[list[SourceFile]] = [[]]
+    size = 0
+    for f in files:
+        if groups[-1] and size >= unit_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += f.size
+    return [UnitJob(i, tuple(g), cfg, tokenizer, work, store) for i, g in enumerate(groups)]
+
+
+def plan_splits(
+    units: list[UnitJob],
+    metas: list[dict],
+    cfg: DatasetConfig,
+    tokenizer: TokenizerSpec,
+    directory: str,
+) -> dict:
+    """Each split's stream (spill-file parts in unit order), totals, and shard jobs.
+
+    Raises:
+        DatasetError: Fewer than two documents, or a split too short for its shards.
+    """
+    splits = {}
+    for split in SPLITS:
+        parts = [
+            (str(u.path(split)), 0, m[split]["tokens"])
+            for u, m in zip(units, metas, strict=True)
+            if m[split]["tokens"]
+        ]
+        totals = {k: sum(m[split][k] for m in metas) for k in ("tokens", "documents", "bytes")}
+        last = next((m[split] for m in reversed(metas) if m[split]["documents"]), None)
+        splits[split] = {"parts": parts, "last": last, **totals}
+    docs = splits["train"]["documents"] + splits["eval"]["documents"]
+    if docs < 2:
+        raise DatasetError(
+            f"dataset sources {cfg.sources!r} give {docs} document(s); train and eval each "
+            "need at least one"
+        )
+    for empty, other in (("eval", "train"), ("train", "eval")):
+        if not splits[empty]["documents"]:
+            move_last_document(splits[other], splits[empty])
+    for split, shards in (("train", cfg.num_shards), ("eval", 1)):
+        s = splits[split]
+        records = max(0, (s["tokens"] - 1) // cfg.seq_len)
+        if records < shards:
+            raise DatasetError(
+                f"the {split} split has {records} sequence(s) of seq_len={cfg.seq_len}, "
+                f"fewer than its {shards} shard(s) (num_shards={cfg.num_shards}); add text, "
+                "lower seq_len or lower num_shards"
+            )
+        bounds = [records * i // shards for i in range(shards + 1)]
+        s["records"] = records
+        s["jobs"] = [
+            ShardJob(
+                directory=directory,
+                name=f"{split}-{i:05d}-of-{shards:05d}.arrayrecord",
+                parts=tuple(s["parts"]),
+                dtype=tokenizer.dtype,
+                seq_len=cfg.seq_len,
+                first=bounds[i],
+                count=bounds[i + 1] - bounds[i],
+            )
+            for i in range(shards)
+        ]
+    return splits
+
+
+def move_last_document(src: dict, dst: dict) -> None:
+    """Move the last document of split `src` to the end of split `dst` (no re-reading: the
+    unit summary says how many tokens and bytes it has)."""
+    path, offset, length = src["parts"][-1]
+    n, nbytes = src["last"]["last_tokens"], src["last"]["last_bytes"]
+    src["parts"][-1] = (path, offset, length - n)
+    dst["parts"].append((path, offset + length - n, n))
+    for key, value in (("tokens", n), ("documents", 1), ("bytes", nbytes)):
+        src[key] -= value
+        dst[key] += value
+
+
+def split_entries(splits: dict, seq_len: int) -> dict:
+    """The manifest's `splits`: shards, counts and packing figures of each split."""
+    out = {}
+    for split in SPLITS:
+        s = splits[split]
+        slots = s["records"] * seq_len
+        out[split] = {
+            "shards": s["shards"],
+            "records": s["records"],
+            "documents": s["documents"],
+            "tokens": s["tokens"],  # EOD included
+            "bytes": s["bytes"],  # UTF-8 text: bits per byte divides by this
+            # Documents are packed back to back, so every target slot holds a real token
+            # (padding 0); only the stream's tail beyond the last full record is dropped.
+            "packing": {
+                "slots": slots,
+                "real_tokens": slots,
+                "efficiency": 1.0 if slots else 0.0,
+                "dropped_tokens": s["tokens"] - 1 - slots,
+            },
+        }
+    return out

@@ -1,0 +1,155 @@
+"""Tokenizers: byte-level by default, or a Hugging Face `tokenizers` JSON file.
+
+Either way a document becomes its token ids followed by one end-of-document (EOD) id. The
+byte tokenizer's ids are the UTF-8 bytes (0..255) and EOD is 256. A `tokenizer.json` is
+read from the given path only (never fetched from a hub); its EOD is one new id after its
+whole vocabulary (added tokens included), so no id the tokenizer emits is ever mistaken for
+a document boundary. Token ids are stored as uint16 while the vocabulary (with EOD) fits,
+else uint32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from workloads.config import BYTE_VOCAB_SIZE, EOD_TOKEN
+from workloads.sources import DatasetError
+
+UINT16_VOCAB = 1 << 16
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer as the dataset records it; small and picklable, so each worker process
+    loads the file itself (once) rather than receiving it with every job.
+
+    Attributes:
+        kind: "bytes" or "huggingface".
+        vocab_size: Ids in use, EOD included (the model's embedding rows before padding).
+        eod_token: The end-of-document id.
+        dtype: "uint16" or "uint32", the stored token type.
+        path: The tokenizer file (huggingface only).
+        sha256: sha256 of the tokenizer file (huggingface only): what the fingerprint
+            covers, and what every worker checks the file it loads against.
+    """
+
+    kind: str
+    vocab_size: int
+    eod_token: int
+    dtype: str
+    path: str | None = None
+    sha256: str | None = None
+
+    def manifest_entry(self) -> dict:
+        """What `manifest.json` records under `tokenizer`."""
+        out = {"kind": self.kind, "vocab_size": self.vocab_size, "eod_token": self.eod_token}
+        if self.kind == "huggingface":
+            out.update(path=self.path, sha256=self.sha256)
+        return out
+
+    def fingerprint_entry(self) -> list:
+        """What changes the token ids: the kind and the file's content, not its path."""
+        return [self.kind, self.vocab_size, self.eod_token, self.sha256]
+
+
+BYTES = TokenizerSpec("bytes", BYTE_VOCAB_SIZE, EOD_TOKEN, "uint16")
+
+
+def load_tokenizer(path: str | os.PathLike | None) -> TokenizerSpec:
+    """The byte tokenizer for `None`, else the Hugging Face tokenizer in file `path`.
+
+    Raises:
+        DatasetError: naming the file, if it is missing or not a tokenizers JSON file.
+    """
+    if path is None:
+        return BYTES
+    path = os.path.abspath(path)
+    sha256, hf = _read(path)
+    eod = hf.get_vocab_size(with_added_tokens=True)
+    vocab = eod + 1
+    return TokenizerSpec(
+        kind="huggingface",
+        vocab_size=vocab,
+        eod_token=eod,
+        dtype="uint16" if vocab <= UINT16_VOCAB else "uint32",
+        path=path,
+        sha256=sha256,
+    )
+
+
+def _read(path: str) -> tuple[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise DatasetError(
+            f"tokenizer file {path} cannot be read ({exc.strerror}); give the path of a Hugging "
+            "Face tokenizer.json (hub names are not downloaded)"
+        ) from None
+    try:
+        from tokenizers import Tokenizer  # only a tokenizer file pays for the import
+
+        hf = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+        raise DatasetError(f"tokenizer file {path} is not a tokenizers JSON file: {exc}") from None
+    return hashlib.sha256(raw).hexdigest(), hf
+
+
+_LOADED: dict[str, Any] = {}  # per process, by sha256: parsed once, not per batch
+
+
+def _hf_tokenizer(spec: TokenizerSpec) -> Any:
+    if spec.sha256 not in _LOADED:
+        sha256, hf = _read(spec.path)
+        if sha256 != spec.sha256:
+            # Shards made with another tokenizer than the fingerprint names would lie.
+            raise DatasetError(f"tokenizer file {spec.path} changed during sharding; run again")
+        _LOADED[sha256] = hf
+    return _LOADED[spec.sha256]
+
+
+def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
+    """Token ids of `docs`, each followed by EOD, concatenated.
+
+    Args:
+        spec: The tokenizer.
+        docs: UTF-8 documents.
+
+    Returns:
+        (ids as a little-endian `spec.dtype` array, token count of the last document
+        including its EOD, or 0 when `docs` is empty).
+    """
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    if not docs:
+        return np.empty(0, dtype=dtype), 0
+    if spec.kind == "bytes":
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        flat = np.frombuffer(b"".join(docs), dtype=np.uint8)
+    else:
+        hf = _hf_tokenizer(spec)
+        texts = [d.decode("utf-8") for d in docs]
+        encodings = hf.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(e.ids for e in encodings),
+            dtype=np.int64,
+            count=int(lengths.sum()),
+        )
+        if flat.size and int(flat.max()) >= spec.eod_token:
+            raise DatasetError(
+                f"tokenizer {spec.path} emitted id {int(flat.max())} outside its vocabulary "
+                f"of {spec.eod_token}"
+            )
+    out = np.empty(int(lengths.sum()) + len(docs), dtype=dtype)
+    eod_at = np.cumsum(lengths + 1) - 1
+    is_token = np.ones(len(out), dtype=bool)
+    is_token[eod_at] = False
+    out[is_token] = flat
+    out[eod_at] = spec.eod_token
+    return out, int(lengths[-1]) + 1
