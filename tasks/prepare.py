@@ -16,6 +16,7 @@ from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.data import DatasetError
+from workloads.dataset_cache import cache_root
 
 __all__ = ["ArtifactProgress", "DatasetError", "shard_corpus", "shard_dataset", "validate_config"]
 
@@ -99,6 +100,18 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     return plan
 
 
+def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:
+    """Upload a sharded dataset under `datasets_root` (gs://), manifest last, unless its
+    manifest is already there; returns the remote dataset directory."""
+    from infra.gcp import clients, gcs
+
+    remote = f"{datasets_root.rstrip('/')}/{os.path.basename(local_dir.rstrip('/'))}"
+    client = clients.storage_client(config.storage.project, config.storage.credentials_block)
+    if not gcs.exists(client, f"{remote}/{data.MANIFEST}"):
+        gcs.upload_tree(client, local_dir, remote, last=(data.MANIFEST,))
+    return remote
+
+
 # No Prefect cache policy: the dataset's manifest is the cache. It is checked where the
 # data lives, so it is right for the CLI, for another orchestrator process or machine, after
 # the Prefect database is reset, and when someone deleted the shards (a Prefect cache would
@@ -111,8 +124,14 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
 
     A Prefect progress artifact follows the sharding."""
     progress = ArtifactProgress(f"Sharding the dataset for run {plan.run_id}")
-    result = shard_corpus(config.dataset, plan.datasets_root, progress=progress)
+    remote = "://" in plan.datasets_root
+    # Shards are written locally (ArrayRecord writes local files), then published.
+    out_root = cache_root() if remote else plan.datasets_root
+    result = shard_corpus(config.dataset, out_root, progress=progress)
     progress.finish()
+    if remote:
+        dataset_dir = publish_dataset(result.dataset_dir, plan.datasets_root, config)
+        result = data.ShardResult(dataset_dir, result.manifest, result.cached)
     splits = result.manifest["splits"]
     get_run_logger().info(
         "dataset %s (%s): %d train / %d eval sequences",

@@ -17,6 +17,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from workloads.dataset_cache import local_dataset
 from workloads.manifest import load_manifest, record_dtype, shard_paths
 from workloads.sources import DatasetError
 
@@ -39,7 +40,7 @@ def dataset_info(dataset_dir: str | os.PathLike) -> DatasetInfo:
     Raises:
         DatasetError: The manifest is missing or malformed.
     """
-    m = load_manifest(dataset_dir)
+    m = load_manifest(local_dataset(dataset_dir))
     ev = m["splits"]["eval"]
     return DatasetInfo(
         vocab_size=m["tokenizer"]["vocab_size"],
@@ -89,6 +90,7 @@ def decode_records(
 
 
 def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]:
+    dataset_dir = local_dataset(dataset_dir)  # a gs:// dataset is read from a local copy
     manifest = load_manifest(dataset_dir)
     paths = shard_paths(dataset_dir, manifest, split)
     missing = [p for p in paths if not os.path.isfile(p)]

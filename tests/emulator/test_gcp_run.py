@@ -3,10 +3,8 @@ a slice on the fake TPU API, whose "VM" runs the real launcher and the real work
 machine; the run directory and the orbax checkpoints are in the GCS emulator, the metrics
 land in the BigQuery emulator. The slice is preempted mid-run, re-created and resumes.
 
-Not through the Prefect flow yet: the flow's shard stage writes datasets with local paths
-only, and the workload reads shards only from a local directory, so the dataset here stays
-on local disk (see docs/gcp.md and the issue notes). Everything else is the production
-code path: `provision`, `watch_slice`, `verify_checkpoint`, `build_rows`, the sink.
+The steps are driven one by one here, to script a preemption between them; the flow
+itself on these backends is tests/emulator/test_gcp_flow.py.
 """
 
 from __future__ import annotations
