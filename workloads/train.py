@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from etils import epath
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
-from workloads.rundir import RunDir, finite_or_none
+from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
 from workloads.step_metrics import MetricsWindow
 from workloads.trainer import (
     create_train_state,
@@ -137,7 +138,10 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         input.restore_iterator_state(data, data_state)
         report.event("restored", step=start, seconds=time.perf_counter() - restore_started)
         log.info("resumed from step %d", start)
-    peak = slice_peak(cfg.model.dtype)
+    peak_file = epath.Path(wcfg.run_dir) / "peak.json"
+    peak = slice_peak(cfg.model.dtype, read_json(peak_file))
+    if report.primary:
+        write_json_atomic(peak_file, {"flops_per_s": peak.flops_per_s, "source": peak.source})
     window = MetricsWindow(
         lr_schedule(cfg.train),
         model_flops_per_token(cfg.model, info.vocab_size, info.seq_len),
@@ -203,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True
     )
-    from etils import epath
-
     notice = PreemptionNotice()
     notice.install()  # before the slow imports and start-up: a notice then is not lost
     wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
