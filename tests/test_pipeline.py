@@ -80,18 +80,26 @@ def test_pipeline_shards_trains_verifies_evaluates_and_lands(tiny_run):
 
 def test_summary_artifact_describes_the_run(tiny_run):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
 
     _, _, run = tiny_run
 
     async def latest():
+        # Other tests' runs may share the key (the same run name): take this flow run's.
+        artifact_filter = ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"run-{run.run_id}"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.flow_run_id]),
+        )
         async with get_client() as client:
-            key = ArtifactFilterKey(any_=[f"run-{run.run_id}"])
-            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+            return await client.read_artifacts(artifact_filter=artifact_filter)
 
     import asyncio
 
-    (artifact, *_) = asyncio.run(latest())
+    (artifact,) = asyncio.run(latest())
     text = artifact.data
     assert f"`{run.run_dir}`" in text and "eval bits per byte" in text
     assert f"{run.train_loss_first:.4f} → {run.train_loss_last:.4f}" in text
