@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV_VERSION := 0.13.8
 
-.PHONY: demo test lint venv lock clean bq-emulator
+.PHONY: demo test lint venv lock clean bq-emulator chromium
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,13 +32,19 @@ $(BQ_VENV)/.installed: $(BQ_LOCK) | $(VENV)/.installed
 
 bq-emulator: $(BQ_VENV)/.installed
 
+# Headless Chromium for the test that opens the Prefect UI (tests/test_deployments.py):
+# Debian's package, installed only when missing (apt-get runs as root, as on CI).
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
 demo: venv
 	$(VENV)/bin/tpupipe run --config configs/demo.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: lint bq-emulator
+test: lint bq-emulator chromium
 	$(VENV)/bin/pytest
 
 # Re-resolve the pinned dependencies after editing pyproject.toml.

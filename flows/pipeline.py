@@ -26,10 +26,9 @@ from workloads.config import PipelineConfig
     on_cancellation=[delete_flow_run_slices],
     on_crashed=[delete_flow_run_slices],
 )
-def tpu_training_pipeline(config: PipelineConfig | None = None) -> RunRow:
+def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow:  # noqa: B008
     """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
     land, tearing the slice down whatever fails. A failed run still lands a `runs` row."""
-    config = config or PipelineConfig()
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
     verified = result = None

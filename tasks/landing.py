@@ -12,6 +12,7 @@ from prefect.cache_policies import NONE
 from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
 from tasks.goodput import compute_goodput, read_events
 from tasks.plan import RunPlan
+from tasks.progress import loss_curve_link, write_loss_curve
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
@@ -145,6 +146,7 @@ def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
             f"restore {fmt(run.restore_s)} s, lost {fmt(run.lost_s)} s, "
             f"teardown {fmt(run.teardown_s)} s |",
             f"| run directory | `{plan.run_dir}` |",
+            f"| loss curve | {loss_curve_link(write_loss_curve(plan.run_dir))} |",
             f"| metrics | `{plan.metrics_path}` ({config.metrics.sink}) |",
             "",
             "## Config",

@@ -16,6 +16,7 @@ from prefect.tasks import exponential_backoff
 
 from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.plan import RunPlan, slice_labels
+from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import TrainOutcome, WatchSettings, WorkloadPreempted, watch_slice
 from workloads.config import PipelineConfig
 from workloads.events import EventLog, grant_lease, new_lease
@@ -93,7 +94,10 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             config.slice.heartbeat_timeout_s,
             res.heartbeat_confirm_s,
         )
-        outcome = watch_slice(provider, name, RunDir(plan.run_dir), settings, logger.info)
+        progress = TrainingProgress(config.train.steps, progress_key(plan.run_id))
+        outcome = watch_slice(
+            provider, name, RunDir(plan.run_dir), settings, logger.info, progress.update
+        )
         events.emit("attempt_ended", outcome="completed")
         logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)
         return outcome

@@ -5,6 +5,7 @@ Each case asserts the outcome a user relies on, not just "no exception".
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -106,32 +107,37 @@ def test_capacity_errors_back_off_then_succeed_with_one_slice(reference):
 def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
     tmp_path, prefect_harness
 ):
-    from flows.reaper import reap_orphans
-
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)  # its own ephemeral API, as a user's laptop would have
+    overrides = [f"storage.root={tmp_path}", "run_name=orphan", "train.steps=100000"]
+    command = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--config",
+        str(REPO / "configs/tiny.yaml"),
+    ]
     orchestrator = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--config",
-            str(REPO / "configs/tiny.yaml"),
-            "--set",
-            f"storage.root={tmp_path}",
-            "--set",
-            "run_name=orphan",
-            "--set",
-            "train.steps=100000",
-            "--set",
-            "train.log_every=1",
-        ],
+        [*command, *(arg for o in overrides for arg in ("--set", o))],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # with its ephemeral API server: both ended below
     )
+    try:
+        _kill_the_orchestrator_then_reap(orchestrator, tmp_path)
+    finally:
+        # SIGKILL spares the orchestrator's server subprocess: end it with its group. The
+        # slice runs in a process group of its own, which this does not touch.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(orchestrator.pid, signal.SIGKILL)
+
+
+def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: Path) -> None:
+    from flows.reaper import reap_orphans
+
     status = tmp_path / "runs" / "orphan" / "status.json"
     deadline = time.monotonic() + 240
     while not (status.exists() and json.loads(status.read_text()).get("phase") == "training"):

@@ -148,7 +148,7 @@ class BigQuerySink:
             rows = by_table.get(model.table, [])
             if rows:
                 self._stage(model, run.run_id, rows)
-                statements.append(self._merge_sql(model, "run_id", run.run_id))
+                statements.append(self._merge_sql(model, run.run_id))
             else:
                 statements.append(
                     f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
@@ -183,7 +183,7 @@ class BigQuerySink:
         self._ensure_table(SweepRow)
         trials = _dedupe(rows)[SweepRow.table]
         self._stage(SweepRow, sweep_id, trials)
-        merge = self._merge_sql(SweepRow, "sweep_id", sweep_id)
+        merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
         self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
         self.client.delete_table(self._staging(SweepRow, sweep_id), not_found_ok=True)
         return len(trials)
@@ -259,7 +259,8 @@ class BigQuerySink:
         table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
         self.client.update_table(table, ["expires"], retry=RETRY)
 
-    def _merge_sql(self, model: type[TableRow], scope_column: str, scope: str) -> str:
+    def _merge_sql(self, model: type[TableRow], scope: str, scope_column: str = "run_id") -> str:
+        # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
         columns = [c.name for c in table_schema(model)]
         key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
         updates = ", ".join(f"{c} = S.{c}" for c in columns if c not in model.primary_key)

@@ -1,0 +1,54 @@
+"""The sweep flow: trials of the training pipeline as parallel subflows, admitted by a
+Prefect global concurrency limit counted in TPU chips.
+
+Run locally, each trial is the pipeline flow called in this process (a subflow). Deployed,
+each trial is a run of the `train` deployment (`run_deployment`, still linked as a
+subflow), so the trials land on whatever workers serve that deployment's pool.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, runtime
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.pipeline import tpu_training_pipeline
+from tasks.sweep import (
+    SweepPlan,
+    TrialOutcome,
+    launch_deployment,
+    outcome_from_state,
+    plan_sweep,
+    run_trials,
+)
+from tasks.sweep_results import SweepSummary, land_sweep, publish_leaderboard, summarize
+from tasks.sweep_space import SweepConfig, Trial
+
+# Trials in flight at once (waiting for chips or watching their run); `max_parallel`
+# usually keeps it lower, and further trials wait in the runner's queue.
+TRIAL_THREADS = 32
+
+
+def launch(trial: Trial, plan: SweepPlan) -> TrialOutcome:
+    """Run one trial where the plan says and report how it ended (never raises for a
+    failed run: `return_state` hands back its state instead)."""
+    if plan.via == "deployment":
+        return launch_deployment(trial, plan)
+    pipeline = tpu_training_pipeline.with_options(flow_run_name=trial.run_name)
+    return outcome_from_state(pipeline(config=trial.config, return_state=True))
+
+
+@flow(
+    name="tpu-sweep",
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=TRIAL_THREADS),
+)
+def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
+    """Plan the trials, run them under the chip limit, publish the leaderboard and land
+    the `sweeps` rows; fails only if no trial completed."""
+    plan = plan_sweep(
+        config, str(runtime.flow_run.id or "") or None, deployed=bool(runtime.deployment.id)
+    )
+    results = run_trials(plan, launch)
+    publish_leaderboard(plan, results)
+    land_sweep(plan, results)
+    return summarize(plan, results)

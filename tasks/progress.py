@@ -1,0 +1,143 @@
+"""Training progress for people watching in the Prefect UI: a progress artifact that
+follows the workload's heartbeat, and a loss-curve PNG written into the run directory.
+
+Both read only what the workload already writes (`status.json`, `metrics.jsonl`), so
+they add nothing to the workload's interface.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from etils import epath
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from workloads.rundir import EVAL, RunDir, read_json
+
+LOSS_CURVE = "loss_curve.png"
+_log = logging.getLogger(__name__)
+
+
+def progress_key(run_id: str) -> str:
+    """The artifact key of a run's training progress (lowercase letters, digits, dashes)."""
+    return f"train-{run_id}"[:100].rstrip("-")
+
+
+class TrainingProgress:
+    """A Prefect progress artifact moved by the training heartbeat.
+
+    The first `update` creates the artifact; later ones update it when the bar moves by
+    `min_step` percent or the phase changes, so a fast heartbeat does not flood the API.
+    A failing artifact call is logged and never stops training.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        key: str,
+        min_step: float = 1.0,
+        create: Callable[..., UUID] = create_progress_artifact,
+        update: Callable[..., Any] = update_progress_artifact,
+    ) -> None:
+        """Follow a run of `total_steps` optimizer steps under the artifact `key`.
+
+        Args:
+            total_steps: `train.steps` of the run.
+            key: artifact key, see `progress_key`.
+            min_step: smallest move of the bar, in percent, worth an API call.
+            create: creates the artifact (injectable for tests).
+            update: updates it by id (injectable for tests).
+        """
+        self.total_steps, self.key, self.min_step = max(total_steps, 1), key, min_step
+        self._create, self._update = create, update
+        self.artifact_id: UUID | None = None
+        self.percent = -1.0
+        self._phase: str | None = None
+        self._failed = False
+
+    def update(self, heartbeat: dict[str, Any] | None) -> float | None:
+        """Move the bar to the heartbeat's step; returns the percent shown (None before
+        the first heartbeat with a step, or when nothing changed)."""
+        if not heartbeat or heartbeat.get("step") is None or self._failed:
+            return None
+        step, phase = int(heartbeat["step"]), heartbeat.get("phase")
+        percent = 100.0 if phase == "finished" else min(100.0, 100.0 * step / self.total_steps)
+        moved = percent - self.percent >= self.min_step or (percent == 100.0 > self.percent)
+        if self.artifact_id is not None and not moved and phase == self._phase:
+            return None
+        description = self.describe(step, heartbeat.get("loss"), phase)
+        try:
+            if self.artifact_id is None:
+                self.artifact_id = self._create(
+                    progress=percent, key=self.key, description=description
+                )
+            else:
+                self._update(self.artifact_id, progress=percent, description=description)
+        except Exception:  # the UI's bar is not worth a failed run
+            _log.warning("training progress artifact %s stopped updating", self.key, exc_info=True)
+            self._failed = True
+            return None
+        self.percent, self._phase = percent, phase
+        return percent
+
+    def describe(self, step: int, loss: float | None, phase: str | None) -> str:
+        """The line under the bar: `step 40 of 100, loss 3.2104 (training)`."""
+        loss_text = "" if loss is None else f", loss {loss:.4f}"
+        return f"step {step} of {self.total_steps}{loss_text} ({phase or 'starting'})"
+
+
+def write_loss_curve(run_dir: str) -> str | None:
+    """Plot the run's training loss (and its final eval loss) to `loss_curve.png` in the
+    run directory (local or gs://).
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        The PNG's path, or None when no step has a finite loss yet.
+    """
+    rows = [m for m in RunDir(run_dir).read_metrics() if m.get("loss") is not None]
+    if not rows:
+        return None
+    # Imported here: matplotlib costs a second, and only landing needs it.
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on workers
+    from matplotlib.figure import Figure
+
+    rows.sort(key=lambda m: m["step"])
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="tight")
+    ax = fig.add_subplot()
+    ax.plot([m["step"] for m in rows], [m["loss"] for m in rows], label="train loss")
+    evaluation = read_json(epath.Path(run_dir) / EVAL) or {}
+    if evaluation.get("loss") is not None:
+        ax.scatter(
+            [evaluation["step"]],
+            [evaluation["loss"]],
+            color="C3",
+            zorder=3,
+            label=f"eval loss {evaluation['loss']:.4f}",
+        )
+    ax.set(xlabel="step", ylabel="cross-entropy loss", title=epath.Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    path = epath.Path(run_dir) / LOSS_CURVE
+    path.write_bytes(buffer.getvalue())
+    return str(path)
+
+
+def loss_curve_link(path: str | None) -> str:
+    """A markdown link to the loss-curve PNG for the run summary (`n/a` without one)."""
+    if not path:
+        return "n/a"
+    if path.startswith("gs://"):
+        url = "https://storage.cloud.google.com/" + path.removeprefix("gs://")
+    else:
+        url = epath.Path(path).resolve().as_uri()
+    return f"[{LOSS_CURVE}]({url}) (`{path}`)"

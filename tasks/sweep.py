@@ -1,0 +1,260 @@
+"""The sweep's tasks: plan it, admit each trial under the chip limit and run it, land it.
+
+Admission is Prefect's global concurrency limit counted in chips: a trial holds its
+slice's chip count from before its run starts until after it ends, so the trials of every
+sweep sharing the limit never hold more chips than it has. The sweep never cancels a
+trial because another failed: each trial's outcome is recorded, whatever it is.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.futures import PrefectFuture, as_completed
+from pydantic import BaseModel
+
+from infra.metrics import RunRow, build_sink
+from tasks.plan import metrics_path
+from tasks.sweep_space import SweepConfig, Trial, build_trials
+from workloads.config import PipelineConfig
+
+TrialStatus = Literal["completed", "failed", "cancelled", "crashed"]
+# How often run_deployment asks the API whether a trial's run has finished.
+DEPLOYMENT_POLL_S = 2.0
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot run as configured (no chip limit, a trial larger than it)."""
+
+
+class SweepPlan(BaseModel):
+    """A sweep resolved before any trial runs: its name, trials and where they run."""
+
+    sweep_id: str
+    flow_run_id: str | None = None
+    trials: list[Trial]
+    via: Literal["subflow", "deployment"]
+    trial_deployment: str
+    chip_limit: str
+    chips: int  # what the limit holds
+    objective: str
+    max_parallel: int
+    base: PipelineConfig
+
+
+class TrialOutcome(BaseModel):
+    """How a trial's run ended, as its launcher saw it."""
+
+    status: TrialStatus
+    flow_run_id: str | None = None
+    error: str | None = None
+    run: RunRow | None = None
+
+
+class TrialResult(TrialOutcome):
+    """A trial's outcome with its identity and when it held its chips."""
+
+    index: int
+    run_id: str
+    params: dict[str, Any]
+    chips: int
+    started_at: datetime  # chips acquired
+    finished_at: datetime  # run over, chips about to be released
+    waited_s: float  # time spent waiting for chips
+
+
+def new_sweep_name(now: datetime | None = None, token: str | None = None) -> str:
+    """A fresh, sortable sweep name: `sweep-20261122-061530-a1b2`."""
+    now = now or datetime.now(UTC)
+    return f"sweep-{now:%Y%m%d-%H%M%S}-{token or secrets.token_hex(2)}"
+
+
+def ensure_chip_limit(name: str, quota: int | None, needed: int, client: Any) -> int:
+    """Make sure the global concurrency limit `name` exists and can admit a trial.
+
+    Args:
+        name: the limit's name.
+        quota: set the limit to this many chips (created if missing); None: use the
+            existing limit unchanged.
+        needed: chips of the largest trial.
+        client: a synchronous Prefect client.
+
+    Returns:
+        The chips the limit holds.
+
+    Raises:
+        SweepError: the limit is missing with no quota given, or smaller than a trial (it
+            would wait forever).
+    """
+    if quota is not None:
+        client.upsert_global_concurrency_limit_by_name(name, quota)
+    try:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        raise SweepError(
+            f"no global concurrency limit {name!r}: create it with `prefect gcl create "
+            f"{name} --limit <chips>`, or give the sweep a chip_quota"
+        ) from None
+    if not limit.active:
+        raise SweepError(f"global concurrency limit {name!r} is inactive: it would admit all")
+    if needed > limit.limit:
+        raise SweepError(
+            f"a trial needs {needed} chips but the limit {name!r} holds {limit.limit}: it "
+            "would wait forever"
+        )
+    return limit.limit
+
+
+@task(name="plan-sweep", cache_policy=NONE)
+def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> SweepPlan:
+    """Name the sweep, validate every trial's config and check the chip limit: all of
+    it before any trial runs."""
+    sweep_id = config.sweep_name or new_sweep_name()
+    trials = build_trials(config, sweep_id)
+    via = config.trials_via
+    if via == "auto":
+        via = "deployment" if deployed else "subflow"
+    with get_client(sync_client=True) as client:
+        chips = ensure_chip_limit(
+            config.chip_limit, config.chip_quota, max(t.chips for t in trials), client
+        )
+    plan = SweepPlan(
+        sweep_id=sweep_id,
+        flow_run_id=flow_run_id,
+        trials=trials,
+        via=via,
+        trial_deployment=config.trial_deployment,
+        chip_limit=config.chip_limit,
+        chips=chips,
+        objective=config.objective,
+        max_parallel=config.max_parallel or len(trials),
+        base=config.base,
+    )
+    get_run_logger().info(
+        "sweep %s: %d trials as %ss, at most %d at once, limit %r of %d chips",
+        sweep_id,
+        len(trials),
+        via,
+        plan.max_parallel,
+        plan.chip_limit,
+        chips,
+    )
+    return plan
+
+
+Launcher = Callable[[Trial, SweepPlan], TrialOutcome]
+
+
+@task(name="run-trial", cache_policy=NONE, task_run_name="trial-{trial.index}")
+def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher) -> TrialResult:
+    """Wait for the trial's chips, run it with `launch`, and record how it ended.
+
+    Never raises for the trial's own failure: the sweep goes on and ranks what finished.
+    """
+    logger = get_run_logger()
+    asked = time.time()
+    try:
+        # strict: a limit deleted since planning must stop the trial, not run it unlimited.
+        with concurrency(plan.chip_limit, occupy=trial.chips, strict=True):
+            started = datetime.now(UTC)
+            try:
+                outcome = launch(trial, plan)
+            except Exception as exc:  # a launcher bug or an API error: this trial only
+                outcome = _crashed(exc)
+            finished = datetime.now(UTC)
+    except Exception as exc:  # no admission (limit gone, API unreachable): never ran
+        started = finished = datetime.now(UTC)
+        outcome = _crashed(exc)
+    logger.info("trial %d (%s): %s", trial.index, trial.run_name, outcome.error or outcome.status)
+    return TrialResult(
+        **outcome.model_dump(),
+        index=trial.index,
+        run_id=trial.run_name,
+        params=trial.params,
+        chips=trial.chips,
+        started_at=started,
+        finished_at=finished,
+        waited_s=started.timestamp() - asked,
+    )
+
+
+def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
+    """Submit the trials, at most `plan.max_parallel` at once; results in trial order."""
+    pending = list(plan.trials)
+    running: list[PrefectFuture[TrialResult]] = []
+    results: list[TrialResult] = []
+    while pending or running:
+        while pending and len(running) < plan.max_parallel:
+            running.append(run_trial.submit(pending.pop(0), plan, launch))
+        done = next(iter(as_completed(running)))
+        running.remove(done)
+        results.append(done.result())
+    return sorted(results, key=lambda r: r.index)
+
+
+def launch_deployment(trial: Trial, plan: SweepPlan) -> TrialOutcome:
+    """Run the trial as a run of `plan.trial_deployment`, on whichever worker serves its
+    pool, linked to the sweep as a subflow; its `runs` row is read from the metrics sink."""
+    flow_run = run_deployment(
+        plan.trial_deployment,
+        parameters={"config": trial.config.model_dump(mode="json")},
+        flow_run_name=trial.run_name,
+        # A retried trial task finds the run it created instead of starting another.
+        idempotency_key=f"{plan.sweep_id}-{trial.index}",
+        poll_interval=DEPLOYMENT_POLL_S,
+        tags=["sweep", plan.sweep_id],
+    )
+    state = flow_run.state
+    status = _status(state.type.value if state else "CRASHED")
+    if status != "completed":
+        error = state.message if state else "no state"
+        return TrialOutcome(status=status, flow_run_id=str(flow_run.id), error=error)
+    run = read_run(plan.base, trial.run_name)
+    # A worker with another metrics sink than the sweep's would leave nothing to rank by.
+    error = None if run else f"completed, but run {trial.run_name} is not in the metrics sink"
+    return TrialOutcome(status=status, flow_run_id=str(flow_run.id), error=error, run=run)
+
+
+def outcome_from_state(state: Any) -> TrialOutcome:
+    """The outcome of an in-process trial from its subflow's final state."""
+    status = _status(state.type.value)
+    run = state.result(raise_on_failure=False) if status == "completed" else None
+    return TrialOutcome(
+        status=status,
+        flow_run_id=str(state.state_details.flow_run_id),
+        error=None if status == "completed" else state.message,
+        run=run if isinstance(run, RunRow) else None,
+    )
+
+
+def read_run(base: PipelineConfig, run_id: str) -> RunRow | None:
+    """The trial's `runs` row from the sweep's metrics sink."""
+    return build_sink(base.metrics.sink, metrics_path(base), base.metrics).read_run(run_id)
+
+
+def _crashed(exc: Exception) -> TrialOutcome:
+    return TrialOutcome(status="crashed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _status(state_type: str) -> TrialStatus:
+    return {
+        "COMPLETED": "completed",
+        "CANCELLED": "cancelled",
+        "CANCELLING": "cancelled",
+        "CRASHED": "crashed",
+    }.get(state_type, "failed")
+
+
+def completed(results: Iterable[TrialResult]) -> list[TrialResult]:
+    """The trials whose run completed."""
+    return [r for r in results if r.status == "completed"]

@@ -1,0 +1,167 @@
+"""A sweep's results: ranked trials, the leaderboard artifact and the `sweeps` table rows."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NONE
+from pydantic import BaseModel
+
+from infra.metrics import SweepRow, build_sink
+from tasks.plan import metrics_path
+from tasks.sweep import SweepPlan, TrialResult
+
+
+class SweepFailed(RuntimeError):
+    """No trial of the sweep completed."""
+
+
+class SweepSummary(BaseModel):
+    """What the sweep flow returns: the best trial and the counts."""
+
+    sweep_id: str
+    objective: str
+    best_trial: int
+    best_run_id: str
+    best_value: float
+    best_params: dict[str, Any]
+    trials: int
+    completed: int
+
+
+def objective_value(result: TrialResult, objective: str) -> float | None:
+    """The trial's objective (lower is better), or None if it has none to rank by."""
+    if result.status != "completed" or result.run is None:
+        return None
+    return getattr(result.run, objective)
+
+
+def ranks(results: list[TrialResult], objective: str) -> dict[int, int]:
+    """Trial index -> rank (1 = best) of every trial with an objective value; ties go to
+    the earlier trial."""
+    scored = [(v, r.index) for r in results if (v := objective_value(r, objective)) is not None]
+    return {index: rank for rank, (_, index) in enumerate(sorted(scored), 1)}
+
+
+def leaderboard(results: list[TrialResult], objective: str) -> list[dict[str, Any]]:
+    """The leaderboard's rows: ranked trials best first, then the unranked in trial order.
+
+    Each row: rank, trial, run, status, the objective, every searched field, minutes the
+    trial held its chips, seconds it waited for them, and the error of a failed trial.
+    """
+    rank = ranks(results, objective)
+    ordered = sorted(results, key=lambda r: (rank.get(r.index, len(results) + 1), r.index))
+    rows = []
+    for r in ordered:
+        value = objective_value(r, objective)
+        rows.append(
+            {
+                "rank": rank.get(r.index, ""),
+                "trial": r.index,
+                "run": r.run_id,
+                "status": r.status,
+                objective: "" if value is None else round(value, 5),
+                **r.params,
+                "minutes": round((r.finished_at - r.started_at).total_seconds() / 60, 2),
+                "waited_s": round(r.waited_s, 1),
+                "error": (r.error or "")[:200],
+            }
+        )
+    return rows
+
+
+def sweep_rows(plan: SweepPlan, results: list[TrialResult]) -> list[SweepRow]:
+    """One `sweeps` row per trial, linking it to its run and flow run."""
+    rank = ranks(results, plan.objective)
+    return [
+        SweepRow(
+            sweep_id=plan.sweep_id,
+            trial=r.index,
+            run_id=r.run_id,
+            sweep_flow_run_id=plan.flow_run_id,
+            flow_run_id=r.flow_run_id,
+            status=r.status,
+            error=r.error,
+            params_json=json.dumps(r.params, sort_keys=True),
+            chips=r.chips,
+            objective=plan.objective,
+            objective_value=objective_value(r, plan.objective),
+            rank=rank.get(r.index),
+            is_best=rank.get(r.index) == 1,
+            eval_loss=r.run.eval_loss if r.run else None,
+            eval_bits_per_byte=r.run.eval_bits_per_byte if r.run else None,
+            train_loss_last=r.run.train_loss_last if r.run else None,
+            started_at=r.started_at,
+            finished_at=r.finished_at,
+        )
+        for r in results
+    ]
+
+
+def summarize(plan: SweepPlan, results: list[TrialResult]) -> SweepSummary:
+    """The sweep's summary, naming its best trial.
+
+    Raises:
+        SweepFailed: no trial completed with an objective value, with each trial's error.
+    """
+    rank = ranks(results, plan.objective)
+    best = next((r for r in results if rank.get(r.index) == 1), None)
+    if best is None:
+        errors = "; ".join(f"trial {r.index}: {r.error or r.status}" for r in results)
+        raise SweepFailed(f"sweep {plan.sweep_id}: no trial completed ({errors})")
+    return SweepSummary(
+        sweep_id=plan.sweep_id,
+        objective=plan.objective,
+        best_trial=best.index,
+        best_run_id=best.run_id,
+        best_value=objective_value(best, plan.objective),
+        best_params=best.params,
+        trials=len(results),
+        completed=sum(r.status == "completed" for r in results),
+    )
+
+
+def leaderboard_description(plan: SweepPlan, results: list[TrialResult]) -> str:
+    """The leaderboard artifact's markdown description: the best trial, then the counts."""
+    done = sum(r.status == "completed" for r in results)
+    try:
+        best = summarize(plan, results)
+    except SweepFailed:
+        head = f"Sweep `{plan.sweep_id}`: no trial completed."
+    else:
+        params = ", ".join(f"{k}={v!r}" for k, v in best.best_params.items())
+        head = (
+            f"Sweep `{plan.sweep_id}`: best trial **{best.best_trial}** "
+            f"(run `{best.best_run_id}`), {plan.objective} {best.best_value:.5f} ({params})."
+        )
+    return f"{head} {done} of {len(results)} trials completed."
+
+
+def artifact_key(sweep_id: str) -> str:
+    """The leaderboard's artifact key (lowercase letters, digits and dashes)."""
+    return f"leaderboard-{sweep_id}"
+
+
+@task(name="publish-leaderboard", cache_policy=NONE)
+def publish_leaderboard(plan: SweepPlan, results: list[TrialResult]) -> str:
+    """Attach the leaderboard to the sweep's flow run as a table artifact."""
+    description = leaderboard_description(plan, results)
+    create_table_artifact(
+        table=leaderboard(results, plan.objective),
+        key=artifact_key(plan.sweep_id),
+        description=description,
+    )
+    get_run_logger().info(description)
+    return description
+
+
+@task(name="land-sweep", cache_policy=NONE)
+def land_sweep(plan: SweepPlan, results: list[TrialResult]) -> int:
+    """Land the sweep's trials in the `sweeps` table; landing again replaces them."""
+    sink = build_sink(plan.base.metrics.sink, metrics_path(plan.base), plan.base.metrics)
+    landed = sink.land_sweep(sweep_rows(plan, results))
+    get_run_logger().info("landed %d trials of sweep %s", landed, plan.sweep_id)
+    return landed

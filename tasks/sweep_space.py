@@ -1,0 +1,226 @@
+"""A sweep's parameters and its search space: grids and seeded random draws over any
+config field, expanded into trial configs that are all validated before any trial runs.
+
+Plain pydantic and functions, no Prefect: `SweepConfig` is the sweep flow's parameter, so
+the Prefect UI builds its form from the descriptions here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Distribution(_Strict):
+    """Where a random search draws one field's values from."""
+
+    kind: Literal["uniform", "log_uniform", "int_uniform", "choice"] = Field(
+        description="'uniform' or 'log_uniform' floats in [low, high], 'int_uniform' integers "
+        "in [low, high], or 'choice': one of `values`."
+    )
+    low: float | None = Field(None, description="Lower bound (uniform, log_uniform, int_uniform).")
+    high: float | None = Field(None, description="Upper bound, inclusive.")
+    values: list[Any] = Field(default_factory=list, description="The options of a 'choice'.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Distribution:
+        if self.kind == "choice":
+            if not self.values:
+                raise ValueError("a 'choice' distribution needs values")
+            return self
+        if self.low is None or self.high is None or self.low > self.high:
+            raise ValueError(f"a {self.kind!r} distribution needs low <= high")
+        if self.kind == "log_uniform" and self.low <= 0:
+            raise ValueError("a 'log_uniform' distribution needs low > 0")
+        return self
+
+    def sample(self, rng: random.Random) -> Any:
+        """One value drawn with `rng`."""
+        if self.kind == "choice":
+            return rng.choice(self.values)
+        if self.kind == "int_uniform":
+            return rng.randint(math.ceil(self.low), math.floor(self.high))
+        if self.kind == "log_uniform":
+            return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        return rng.uniform(self.low, self.high)
+
+
+class SearchSpace(_Strict):
+    """Trials = every combination of the grid, times `samples` random draws each.
+
+    Fields are dotted config paths such as `train.learning_rate` or `model.d_model`.
+    """
+
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="Dotted field -> values; every combination of the values is a trial.",
+    )
+    random: dict[str, Distribution] = Field(
+        default_factory=dict,
+        description="Dotted field -> distribution, drawn anew for each trial.",
+    )
+    samples: int = Field(
+        1, ge=1, le=1000, description="Random draws per grid combination (with `random`)."
+    )
+    seed: int = Field(0, description="Seed of the random draws: the same seed, the same trials.")
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> SearchSpace:
+        both = sorted(set(self.grid) & set(self.random))
+        if both:
+            raise ValueError(f"fields both in grid and random: {', '.join(both)}")
+        empty = sorted(k for k, v in self.grid.items() if not v)
+        if empty:
+            raise ValueError(f"grid fields with no values: {', '.join(empty)}")
+        return self
+
+
+class SweepConfig(_Strict):
+    """A hyperparameter sweep: a base config, a search space, and how trials are admitted."""
+
+    base: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="The config every trial starts from; its run_name is replaced by the trial's.",
+    )
+    space: SearchSpace = Field(
+        default_factory=lambda: SearchSpace(grid={"train.learning_rate": [1e-3, 3e-3]}),
+        description="The fields to vary and their values.",
+    )
+    sweep_name: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9][a-z0-9-]{0,50}$",
+        description="Names the sweep and its trials' runs (`<name>-t00`…); running a sweep "
+        "of the same name again resumes its trials. Empty: a new name is generated.",
+    )
+    objective: Literal["eval_loss", "eval_bits_per_byte", "train_loss_last"] = Field(
+        "eval_loss", description="The run metric the leaderboard ranks by (lower is better)."
+    )
+    chip_limit: str = Field(
+        "tpu-chips",
+        description="Prefect global concurrency limit counting TPU chips; each trial holds "
+        "its slice's chip count while it runs.",
+    )
+    chip_quota: int | None = Field(
+        None,
+        ge=1,
+        description="Set the limit to this many chips (creating it if needed). Empty: use the "
+        "existing limit as it is (`prefect gcl create tpu-chips --limit N`).",
+    )
+    max_parallel: int | None = Field(
+        None,
+        ge=1,
+        description="Trials of this sweep started at once, admitted or waiting for chips. "
+        "Empty: all of them (the chip limit alone decides).",
+    )
+    trials_via: Literal["auto", "subflow", "deployment"] = Field(
+        "auto",
+        description="'subflow': trials run in this process; 'deployment': through "
+        "run_deployment, on the workers of trial_deployment's pool; 'auto': 'deployment' "
+        "when the sweep itself runs from a deployment.",
+    )
+    trial_deployment: str = Field(
+        "tpu-training-pipeline/train",
+        description="The deployment (flow name/deployment name) trials run as, with "
+        "trials_via 'deployment'.",
+    )
+
+
+class Trial(_Strict):
+    """One point of the search space and the config it trains."""
+
+    index: int
+    run_name: str
+    params: dict[str, Any]
+    config: PipelineConfig
+    chips: int
+
+
+def expand_space(space: SearchSpace) -> list[dict[str, Any]]:
+    """The overrides of every trial, grid combinations in order, random draws seeded.
+
+    Returns:
+        One `{dotted field: value}` dict per trial.
+    """
+    keys = list(space.grid)
+    combos = [
+        dict(zip(keys, values, strict=True))
+        for values in itertools.product(*(space.grid[k] for k in keys))
+    ]
+    if not space.random:
+        return combos
+    rng = random.Random(space.seed)
+    return [
+        {**combo, **{k: dist.sample(rng) for k, dist in space.random.items()}}
+        for combo in combos
+        for _ in range(space.samples)
+    ]
+
+
+def trial_chips(config: PipelineConfig) -> int:
+    """Chips a trial's slice occupies: its device count (one JAX device per TPU chip on
+    every generation, see `workloads.config.tpu_topology`)."""
+    return config.slice.devices
+
+
+def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
+    """Every trial's validated config, so a bad point fails the sweep before any trial runs.
+
+    Raises:
+        ConfigError: naming each trial, the overrides it got and what is wrong with them.
+    """
+    base = config.base.model_dump(mode="json")
+    trials, problems = [], []
+    for index, params in enumerate(expand_space(config.space)):
+        run_name = f"{sweep_id}-t{index:02d}"
+        try:
+            data = json.loads(json.dumps(base))  # a deep copy per trial
+            for key, value in [*params.items(), ("run_name", run_name)]:
+                _set_dotted(data, key, value)
+            cfg = PipelineConfig.model_validate(data)
+        except (ValidationError, KeyError) as exc:
+            problems.append(f"trial {index} ({_params_text(params)}): {_problem_text(exc)}")
+            continue
+        trials.append(
+            Trial(index=index, run_name=run_name, params=params, config=cfg, chips=trial_chips(cfg))
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    if not trials:
+        raise ConfigError("the search space has no trials")
+    return trials
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *sections, name = key.split(".")
+    node = data
+    for part in sections:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            raise KeyError(f"{key}: {part!r} is not a config section")
+    node[name] = value
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in params.items()) or "the base config"
+
+
+def _problem_text(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return str(exc.args[0])
+    return "; ".join(
+        (".".join(map(str, e["loc"])) + ": " if e["loc"] else "")
+        + e["msg"].removeprefix("Value error, ")
+        for e in exc.errors()
+    )

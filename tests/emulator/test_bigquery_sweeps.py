@@ -1,0 +1,84 @@
+"""The `sweeps` table in BigQuery (bqemulator): created on first landing, replaced per
+sweep exactly once, and the `runs` rows its trials link to read back."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from infra.metrics import RunRow, SweepRow
+from infra.metrics.bigquery_sink import BigQuerySink
+
+pytestmark = pytest.mark.emulator
+
+T0 = datetime(2026, 11, 22, 6, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def sink(bq_emulator, request):
+    from infra.gcp.clients import bigquery_client
+
+    dataset = f"s_{abs(hash(request.node.nodeid)) % 10**8}"
+    return BigQuerySink(bigquery_client("test-project"), dataset, location="US")
+
+
+def trial(sweep_id: str, index: int, loss: float | None, status: str = "completed") -> SweepRow:
+    return SweepRow(
+        sweep_id=sweep_id,
+        trial=index,
+        run_id=f"{sweep_id}-t{index:02d}",
+        status=status,
+        params_json=f'{{"seed": {index}}}',
+        chips=8,
+        objective="eval_loss",
+        objective_value=loss,
+        eval_loss=loss,
+        started_at=T0 + timedelta(minutes=index),
+        finished_at=T0 + timedelta(minutes=index + 1),
+    )
+
+
+def stored(sink: BigQuerySink) -> list[tuple]:
+    return sink.query(
+        f"SELECT sweep_id, trial, status, eval_loss FROM `{sink.dataset}.sweeps` "
+        "ORDER BY sweep_id, trial"
+    )
+
+
+def test_a_sweep_lands_once_and_a_relanding_replaces_only_its_rows(sink):
+    sink.land_sweep([trial("other", 0, 2.0)])
+    rows = [trial("sw", 0, 3.0), trial("sw", 1, None, "failed"), trial("sw", 2, 2.5)]
+    assert sink.land_sweep(rows) == 3
+    assert sink.land_sweep(rows) == 3  # again: still one copy of each
+    assert len(stored(sink)) == 4
+    # A re-run of the sweep where trial 1 now completed and trial 2 is gone.
+    assert sink.land_sweep([trial("sw", 0, 3.0), trial("sw", 1, 2.75)]) == 2
+    assert stored(sink) == [
+        ("other", 0, "completed", 2.0),
+        ("sw", 0, "completed", 3.0),
+        ("sw", 1, "completed", 2.75),
+    ]
+    table = sink.client.get_table(f"{sink.dataset}.sweeps")
+    assert table.clustering_fields == ["sweep_id", "run_id"]
+    assert table.time_partitioning.field == "started_at"
+    # Only the target tables are left: the staging table went after the MERGE.
+    names = {t.table_id for t in sink.client.list_tables(sink.dataset)}
+    assert names == {"runs", "step_metrics", "eval_metrics", "sweeps"}
+
+
+def test_read_run_returns_the_landed_row_or_none(sink):
+    run = RunRow(
+        run_id="sw-t00",
+        run_name="sw-t00",
+        status="completed",
+        config_hash="h",
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at=T0,
+        eval_loss=2.5,
+        run_dir="gs://b/runs/sw-t00",
+    )
+    sink.land(run, [], [])
+    assert sink.read_run("sw-t00") == run
+    assert sink.read_run("missing") is None

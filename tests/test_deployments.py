@@ -1,0 +1,235 @@
+"""The deployments of prefect.yaml against a real Prefect server: deployed with the CLI,
+run by a process worker, triggered through the API as the UI does, cancelled mid-training,
+swept through `run_deployment`, and the `train` form looked at in the real UI.
+
+One server, one worker and one deploy serve the whole module (~15 s + ~12 s to start).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.metrics import DuckDBSink
+from infra.slices import build_provider
+from tests.browser import chromium_binary, headless_chromium
+from tests.helpers import processes_mentioning, tiny_config
+from tests.prefect_server import REPO, PrefectServer, running_server, running_worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.server]
+
+SCREENSHOTS = REPO / "test-artifacts"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
+def prefect_yaml() -> dict:
+    return yaml.safe_load((REPO / "prefect.yaml").read_text())
+
+
+def test_prefect_yaml_entrypoints_are_the_projects_flows():
+    """Cheap check before the server ones: every entrypoint loads and is a flow."""
+    from prefect import Flow
+
+    spec = prefect_yaml()
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"train-nightly", "train", "sweep", "reap-orphans"}
+    for d in deployments.values():
+        path, name = d["entrypoint"].split(":")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert isinstance(getattr(module, name), Flow), d["entrypoint"]
+        assert d["work_pool"]["name"] == spec["definitions"]["work_pools"]["default"]["name"]
+
+
+@dataclass
+class Stack:
+    server: PrefectServer
+    root: Path  # storage root of every run the tests start
+
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        # Explicit API URL: the session's test harness may own the process's settings.
+        return SyncPrefectClient(api=self.server.api_url)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Server, work pool, `prefect deploy --all`, worker; everything stopped afterwards,
+    and any slice a failed test left behind deleted."""
+    root = tmp_path_factory.mktemp("store")
+    pool = prefect_yaml()["definitions"]["work_pools"]["default"]["name"]
+    with running_server(tmp_path_factory.mktemp("prefect-home")) as server:
+        server.cli("work-pool", "create", pool, "--type", "process")
+        server.cli("deploy", "--all")
+        try:
+            with running_worker(server, pool):
+                yield Stack(server, root)
+        finally:
+            provider = build_provider("local", str(root))
+            for status in provider.list():
+                provider.delete(status.name)
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
+    """Poll `predicate` until it returns something truthy; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def run_deployment_via_api(stack: Stack, name: str, parameters: dict):
+    """Create a flow run of deployment `name` the way the UI's Run form does."""
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name(name)
+        return client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+
+
+def final_state(stack: Stack, flow_run_id, timeout_s: float) -> str:
+    def ended():
+        with stack.client() as client:
+            state = client.read_flow_run(flow_run_id).state
+        return state.type.value if state and state.type.value in TERMINAL else None
+
+    return wait_for(ended, timeout_s, f"flow run {flow_run_id} to end")
+
+
+def test_every_deployment_is_registered_with_its_schedule_and_pool(stack):
+    with stack.client() as client:
+        deployments = {
+            name: client.read_deployment_by_name(name)
+            for name in (
+                "tpu-training-pipeline/train-nightly",
+                "tpu-training-pipeline/train",
+                "tpu-sweep/sweep",
+                "reap-orphans/reap-orphans",
+            )
+        }
+    nightly = deployments["tpu-training-pipeline/train-nightly"].schedules
+    assert [(s.schedule.cron, s.schedule.timezone) for s in nightly] == [("0 3 * * *", "UTC")]
+    reaper = deployments["reap-orphans/reap-orphans"].schedules
+    assert [s.schedule.interval.total_seconds() for s in reaper] == [600]
+    assert not deployments["tpu-training-pipeline/train"].schedules
+    assert {d.work_pool_name for d in deployments.values()} == {"local-process"}
+    # The form of `train` comes from PipelineConfig: every field of every section described.
+    schema = deployments["tpu-training-pipeline/train"].parameter_openapi_schema
+    undescribed = [
+        f"{model}.{field}"
+        for model, definition in schema["definitions"].items()
+        for field, prop in definition.get("properties", {}).items()
+        if not prop.get("description")
+    ]
+    assert undescribed == []
+    assert deployments["tpu-training-pipeline/train"].enforce_parameter_schema
+
+
+def test_train_from_the_api_completes_and_its_metrics_land(stack):
+    config = tiny_config(stack.root, "run_name=from-api")
+    flow_run = run_deployment_via_api(
+        stack, "tpu-training-pipeline/train", {"config": config.model_dump(mode="json")}
+    )
+    assert final_state(stack, flow_run.id, timeout_s=400) == "COMPLETED"
+
+    sink = DuckDBSink(stack.root / "metrics.duckdb")
+    ((status, linked_flow_run, final_step),) = sink.query(
+        "SELECT status, flow_run_id, final_step FROM runs WHERE run_id = 'from-api'"
+    )
+    assert (status, linked_flow_run, final_step) == (
+        "completed",
+        str(flow_run.id),
+        config.train.steps,
+    )
+    ((steps,),) = sink.query("SELECT count(*) FROM step_metrics WHERE run_id = 'from-api'")
+    assert steps >= config.train.steps // config.train.log_every
+    assert sink.query("SELECT count(*) FROM eval_metrics WHERE run_id = 'from-api'") == [(1,)]
+
+
+def test_cancelling_a_run_mid_training_deletes_its_slice(stack):
+    config = tiny_config(stack.root, "run_name=cancelled", "train.steps=100000")
+    flow_run = run_deployment_via_api(
+        stack, "tpu-training-pipeline/train", {"config": config.model_dump(mode="json")}
+    )
+    provider = build_provider("local", str(stack.root))
+    labels = {"flow-run-id": str(flow_run.id)}
+    status_file = stack.root / "runs" / "cancelled" / "status.json"
+
+    def training():
+        import json
+
+        beat = json.loads(status_file.read_text()) if status_file.exists() else {}
+        return provider.list(labels) and (beat.get("step") or 0) >= 2
+
+    wait_for(training, 300, "the run to train a few steps")
+    from prefect.states import Cancelling
+
+    with stack.client() as client:  # what the UI's Cancel button does
+        client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+    assert final_state(stack, flow_run.id, timeout_s=120) == "CANCELLED"
+    wait_for(lambda: not provider.list(labels), 60, "the cancelled run's slice to go")
+    config_json = str(stack.root / "runs" / "cancelled" / "config.json")
+    wait_for(lambda: not processes_mentioning(config_json), 30, "the workload to exit")
+
+
+def test_deployed_sweep_runs_its_trials_through_the_train_deployment(stack):
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    sweep = SweepConfig(
+        base=tiny_config(stack.root),
+        space=SearchSpace(grid={"seed": [1, 2]}),
+        sweep_name="deployed",
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=16,
+    )
+    flow_run = run_deployment_via_api(
+        stack, "tpu-sweep/sweep", {"config": sweep.model_dump(mode="json")}
+    )
+    assert final_state(stack, flow_run.id, timeout_s=500) == "COMPLETED"
+
+    sink = DuckDBSink(stack.root / "metrics.duckdb")
+    trials = sink.query(
+        "SELECT trial, status, flow_run_id, sweep_flow_run_id FROM sweeps "
+        "WHERE sweep_id = 'deployed' ORDER BY trial"
+    )
+    assert [(t[0], t[1], t[3]) for t in trials] == [
+        (0, "completed", str(flow_run.id)),
+        (1, "completed", str(flow_run.id)),
+    ]
+    with stack.client() as client:
+        train = client.read_deployment_by_name("tpu-training-pipeline/train")
+        runs = [client.read_flow_run(uuid.UUID(t[2])) for t in trials]
+    # Each trial ran as a run of `train` on the worker, linked to the sweep as a subflow.
+    assert all(r.deployment_id == train.id and r.parent_task_run_id for r in runs)
+    assert [r.name for r in runs] == ["deployed-t00", "deployed-t01"]
+
+
+def test_ui_run_form_of_train_shows_the_config_fields_and_their_descriptions(stack, tmp_path):
+    binary = chromium_binary()
+    assert binary, "headless Chromium is missing: `make chromium` installs Debian's package"
+    from workloads.config import PipelineConfig, TrainConfig
+
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name("tpu-training-pipeline/train")
+    url = f"{stack.server.url}/deployments/deployment/{deployment.id}/run"
+    # Descriptions of the top-level sections and of fields nested inside them.
+    needles = [
+        PipelineConfig.__doc__.splitlines()[0],
+        *(f.description for f in PipelineConfig.model_fields.values()),
+        TrainConfig.model_fields["learning_rate"].description,
+        TrainConfig.model_fields["steps"].description,
+    ]
+    with headless_chromium(tmp_path / "chromium-profile", binary) as page:
+        page.goto(url)
+        try:
+            text = page.wait_for_text("Learning Rate", *needles, timeout_s=90)
+        finally:
+            shot = page.screenshot(SCREENSHOTS / "ui-train-run-form.png")
+    assert "Submit" in text and shot.stat().st_size > 10_000

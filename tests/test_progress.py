@@ -1,0 +1,96 @@
+"""Training progress artifact and loss-curve plot, from a run directory's own files."""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+
+import pytest
+
+from tasks.progress import (
+    TrainingProgress,
+    loss_curve_link,
+    progress_key,
+    write_loss_curve,
+)
+from workloads.rundir import RunDir
+
+
+class FakeArtifacts:
+    """Records the create/update calls `TrainingProgress` makes."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls: list[tuple[str, float, str]] = []
+        self.fail_after = fail_after
+
+    def create(self, progress, key, description):
+        self.calls.append(("create", progress, description))
+        return uuid.uuid4()
+
+    def update(self, artifact_id, progress, description):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise ConnectionError("API gone")
+        self.calls.append(("update", progress, description))
+
+
+def test_progress_follows_the_heartbeat_and_skips_small_moves():
+    fake = FakeArtifacts()
+    bar = TrainingProgress(
+        200, progress_key("r1"), min_step=5.0, create=fake.create, update=fake.update
+    )
+    assert bar.update(None) is None and bar.update({"phase": "starting"}) is None
+    beats = [
+        {"step": 0, "phase": "compiling"},
+        {"step": 4, "loss": 5.1, "phase": "training"},  # 2%: phase changed, sent
+        {"step": 8, "loss": 4.9, "phase": "training"},  # 4%: under min_step from 2%
+        {"step": 20, "loss": 4.1, "phase": "training"},  # 10%
+        {"step": 20, "loss": 4.1, "phase": "saving"},  # same step, new phase
+        {"step": 200, "loss": 2.0, "phase": "training"},
+        {"step": 200, "loss": 2.0, "phase": "finished"},
+    ]
+    shown = [bar.update(b) for b in beats]
+    assert shown == [0.0, 2.0, None, 10.0, 10.0, 100.0, 100.0]
+    assert [c[0] for c in fake.calls] == ["create"] + ["update"] * 5
+    assert fake.calls[2][2] == "step 20 of 200, loss 4.1000 (training)"
+
+
+def test_progress_errors_never_reach_the_watch_loop():
+    fake = FakeArtifacts(fail_after=1)
+    bar = TrainingProgress(10, "k", create=fake.create, update=fake.update)
+    assert bar.update({"step": 1, "phase": "training"}) == 10.0
+    assert bar.update({"step": 5, "phase": "training"}) is None  # the API failed: logged
+    assert bar.update({"step": 9, "phase": "training"}) is None  # and no longer tried
+    assert len(fake.calls) == 1
+
+
+def test_loss_curve_is_a_png_of_the_logged_steps(tmp_path):
+    run = RunDir(tmp_path / "runs" / "r1")
+    run.path.mkdir(parents=True)
+    assert write_loss_curve(str(run.path)) is None  # nothing logged yet
+    run.append_metrics([{"step": s, "loss": 5.0 / s, "time": 0.0} for s in range(1, 41)])
+    (run.path / "eval.json").write_text(json.dumps({"step": 40, "loss": 0.2}))
+
+    path = write_loss_curve(str(run.path))
+
+    data = (run.path / "loss_curve.png").read_bytes()
+    assert path == str(run.path / "loss_curve.png")
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (640, 360)
+    link = loss_curve_link(path)
+    assert link.startswith("[loss_curve.png](file:///") and path in link
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (None, "n/a"),
+        (
+            "gs://b/runs/r1/loss_curve.png",
+            "[loss_curve.png](https://storage.cloud.google.com/b/runs/r1/loss_curve.png)",
+        ),
+    ],
+)
+def test_loss_curve_link(path, expected):
+    assert loss_curve_link(path).startswith(expected)

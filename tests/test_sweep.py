@@ -1,0 +1,265 @@
+"""Sweeps: the search space, ranking and landing (unit), and a real sweep of four tiny
+trials under a chip limit of two trials' worth (integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from infra.metrics import DuckDBSink, RunRow, SweepRow
+from tasks.sweep import SweepError, SweepPlan, TrialResult, ensure_chip_limit
+from tasks.sweep_results import SweepFailed, leaderboard, ranks, summarize, sweep_rows
+from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, build_trials, expand_space
+from tests.helpers import tiny_config
+from workloads.config_file import ConfigError
+
+T0 = datetime(2026, 11, 22, 6, 0, tzinfo=UTC)
+
+
+def test_grid_is_every_combination_in_order():
+    space = SearchSpace(grid={"train.learning_rate": [0.1, 0.2], "seed": [0, 1, 2]})
+    assert expand_space(space) == [
+        {"train.learning_rate": lr, "seed": s} for lr in (0.1, 0.2) for s in (0, 1, 2)
+    ]
+
+
+def test_random_draws_are_seeded_and_within_bounds():
+    space = SearchSpace(
+        grid={"seed": [0, 1]},
+        random={
+            "train.learning_rate": Distribution(kind="log_uniform", low=1e-4, high=1e-1),
+            "model.n_layers": Distribution(kind="int_uniform", low=1, high=3),
+            "model.dtype": Distribution(kind="choice", values=["float32", "bfloat16"]),
+        },
+        samples=5,
+        seed=7,
+    )
+    trials = expand_space(space)
+    assert len(trials) == 10 and [t["seed"] for t in trials] == [0] * 5 + [1] * 5
+    assert trials == expand_space(space)  # same seed, same trials
+    assert trials != expand_space(space.model_copy(update={"seed": 8}))
+    assert all(1e-4 <= t["train.learning_rate"] <= 1e-1 for t in trials)
+    assert {t["model.n_layers"] for t in trials} <= {1, 2, 3}
+    assert len({t["train.learning_rate"] for t in trials}) == 10
+
+
+def test_every_trial_is_validated_before_any_runs(tmp_path):
+    config = SweepConfig(
+        base=tiny_config(tmp_path),
+        space=SearchSpace(grid={"train.batch_size": [16, 30], "train.steps": [5]}),
+    )
+    with pytest.raises(ConfigError) as err:
+        build_trials(config, "sw")
+    # Only the bad point is reported, with its overrides and the rule it breaks.
+    assert "trial 1 (train.batch_size=30, train.steps=5)" in str(err.value)
+    assert "mesh.data*mesh.fsdp" in str(err.value) and "trial 0" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"train\.stepz: Extra inputs"):
+        build_trials(
+            config.model_copy(update={"space": SearchSpace(grid={"train.stepz": [1]})}), "sw"
+        )
+
+
+def test_trials_get_their_own_run_names_and_chip_counts(tmp_path):
+    config = SweepConfig(
+        base=tiny_config(tmp_path, "run_name=ignored"),
+        space=SearchSpace(grid={"seed": [3, 4]}),
+    )
+    trials = build_trials(config, "sw")
+    assert [(t.run_name, t.config.run_name, t.config.seed, t.chips) for t in trials] == [
+        ("sw-t00", "sw-t00", 3, 8),
+        ("sw-t01", "sw-t01", 4, 8),
+    ]
+
+
+class FakeLimits:
+    """The three client calls `ensure_chip_limit` makes, against a dict."""
+
+    def __init__(self, **limits):
+        self.limits = dict(limits)
+
+    def upsert_global_concurrency_limit_by_name(self, name, limit):
+        self.limits[name] = limit
+
+    def read_global_concurrency_limit_by_name(self, name):
+        from types import SimpleNamespace
+
+        from prefect.exceptions import ObjectNotFound
+
+        if name not in self.limits:
+            raise ObjectNotFound(http_exc=None)
+        return SimpleNamespace(limit=self.limits[name], active=True)
+
+
+def test_chip_limit_is_created_from_the_quota_or_must_exist():
+    client = FakeLimits(shared=64)
+    assert ensure_chip_limit("shared", None, 8, client) == 64  # used as it is
+    assert ensure_chip_limit("new", 16, 8, client) == 16 and client.limits["new"] == 16
+    with pytest.raises(SweepError, match="prefect gcl create missing"):
+        ensure_chip_limit("missing", None, 8, client)
+    with pytest.raises(SweepError, match=r"needs 32 chips .* holds 16: it would wait forever"):
+        ensure_chip_limit("new", None, 32, client)
+
+
+def _result(index, status="completed", loss=None, error=None):
+    run = None
+    if loss is not None:
+        run = RunRow(
+            run_id=f"sw-t{index:02d}",
+            run_name=f"sw-t{index:02d}",
+            status="completed",
+            config_hash="h",
+            config_json="{}",
+            dataset_fingerprint="fp",
+            started_at=T0,
+            eval_loss=loss,
+            run_dir="/r",
+        )
+    return TrialResult(
+        index=index,
+        run_id=f"sw-t{index:02d}",
+        params={"train.learning_rate": index / 10},
+        chips=8,
+        status=status,
+        error=error,
+        run=run,
+        started_at=T0 + timedelta(minutes=index),
+        finished_at=T0 + timedelta(minutes=index + 1),
+        waited_s=0.0,
+    )
+
+
+def _plan(tmp_path, sweep_id="sw"):
+    return SweepPlan(
+        sweep_id=sweep_id,
+        trials=[],
+        via="subflow",
+        trial_deployment="x/y",
+        chip_limit="c",
+        chips=16,
+        objective="eval_loss",
+        max_parallel=2,
+        base=tiny_config(tmp_path),
+    )
+
+
+def test_leaderboard_ranks_completed_trials_and_lists_failures_last(tmp_path):
+    results = [
+        _result(0, loss=3.0),
+        _result(1, status="failed", error="WorkloadFailed: loss is not finite"),
+        _result(2, loss=2.5),
+        _result(3, loss=float("nan")),  # landed as NULL: nothing to rank by
+        _result(4, loss=3.0),
+    ]
+    assert ranks(results, "eval_loss") == {2: 1, 0: 2, 4: 3}
+    board = leaderboard(results, "eval_loss")
+    assert [(r["trial"], r["rank"]) for r in board] == [(2, 1), (0, 2), (4, 3), (1, ""), (3, "")]
+    assert board[3]["error"].startswith("WorkloadFailed") and board[0]["eval_loss"] == 2.5
+    summary = summarize(_plan(tmp_path), results)
+    assert (summary.best_trial, summary.best_run_id, summary.best_value) == (2, "sw-t02", 2.5)
+    with pytest.raises(SweepFailed, match="trial 1: WorkloadFailed"):
+        summarize(_plan(tmp_path), [results[1]])
+
+
+def test_sweep_landing_replaces_one_sweeps_rows_and_leaves_others(tmp_path):
+    sink = DuckDBSink(tmp_path / "m.duckdb")
+    results = [_result(0, loss=3.0), _result(1, status="failed", error="boom"), _result(2, loss=2)]
+    sink.land_sweep(sweep_rows(_plan(tmp_path, "other"), results[:1]))
+    sink.land_sweep(sweep_rows(_plan(tmp_path), results))
+    assert sink.land_sweep(sweep_rows(_plan(tmp_path), results[::2])) == 2  # trial 1 dropped
+    rows = sink.query("SELECT sweep_id, trial, rank, is_best, status FROM sweeps ORDER BY 1, 2")
+    assert rows == [
+        ("other", 0, 1, True, "completed"),
+        ("sw", 0, 2, False, "completed"),
+        ("sw", 2, 1, True, "completed"),
+    ]
+    with pytest.raises(ValueError, match="exactly one sweep"):
+        sink.land_sweep(
+            [*sweep_rows(_plan(tmp_path), results), *sweep_rows(_plan(tmp_path, "b"), results)]
+        )
+
+
+def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
+    """Most intervals open at one instant (an end and a start at the same time don't meet)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.integration
+def test_sweep_admits_two_trials_at_a_time_and_survives_a_failing_one(tmp_path, prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.sweep import sweep
+    from tasks.sweep_results import artifact_key
+
+    base = tiny_config(tmp_path)
+    # All four trials are submitted at once (no max_parallel): only the chip limit, two
+    # trials' worth, holds the others back. 1e30 makes trial 2 diverge.
+    config = SweepConfig(
+        base=base,
+        space=SearchSpace(grid={"train.learning_rate": [0.01, 0.02, 1e30, 0.005]}),
+        sweep_name="lr",
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=2 * base.slice.devices,
+    )
+    summary = sweep(config=config)
+
+    sink = DuckDBSink(tmp_path / "metrics.duckdb")
+    trials = sink.query(
+        "SELECT trial, run_id, status, flow_run_id, started_at, finished_at, objective_value, "
+        "rank, error FROM sweeps WHERE sweep_id = 'lr' ORDER BY trial"
+    )
+    assert [t[2] for t in trials] == ["completed", "completed", "failed", "completed"]
+    assert "not finite" in trials[2][8]
+    intervals = [(t[4], t[5]) for t in trials]
+    assert max_overlap(intervals) == 2  # never more than the limit, and really parallel
+
+    # The trials' own flow runs (subflows of the sweep) ended as the table says.
+    async def states():
+        async with get_client() as client:
+            runs = [await client.read_flow_run(uuid.UUID(t[3])) for t in trials]
+            key = ArtifactFilterKey(any_=[artifact_key("lr")])
+            (art,) = await client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+            return [r.state.type.value for r in runs], [r.parent_task_run_id for r in runs], art
+
+    types, parents, artifact = asyncio.run(states())
+    assert types == ["COMPLETED", "COMPLETED", "FAILED", "COMPLETED"]
+    assert all(parents)  # linked to the sweep's trial tasks
+
+    # The leaderboard ranks by the landed eval losses; the best trial is named.
+    losses = dict(
+        sink.query("SELECT run_id, eval_loss FROM runs WHERE run_id LIKE 'lr-%' AND eval_loss > 0")
+    )
+    ranked = sorted(losses, key=losses.get)
+    board = json.loads(artifact.data)
+    assert [row["run"] for row in board] == [*ranked, "lr-t02"]
+    assert board[0]["eval_loss"] == pytest.approx(losses[ranked[0]], abs=1e-5)
+    assert summary.best_run_id == ranked[0] and f"run `{ranked[0]}`" in artifact.description
+    assert [t[7] for t in trials if t[1] in ranked] == [
+        ranked.index(t[1]) + 1 for t in trials if t[1] in ranked
+    ]
+    # Two trials waited for chips: the limit, not the thread pool, held them back.
+    assert sum(row["waited_s"] > 1 for row in board) >= 2
+
+
+def test_sweep_row_flags_a_nonfinite_objective():
+    row = SweepRow(
+        sweep_id="s",
+        trial=0,
+        run_id="r",
+        status="completed",
+        params_json="{}",
+        chips=8,
+        objective="eval_loss",
+        objective_value=float("inf"),
+        started_at=T0,
+    )
+    assert row.objective_value is None and row.nonfinite
