@@ -157,3 +157,33 @@ def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: P
         assert time.monotonic() < deadline, "slice processes survived the reaper"
         time.sleep(0.1)
     assert reap_orphans(config=config) == []  # idempotent
+
+
+def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(reference):
+    from tasks.watch import WorkloadPreempted
+
+    root, ref = reference
+    name = "truncated"
+    # An attempt preempted with no retry budget left: the run stops after saving a step.
+    with pytest.raises(WorkloadPreempted):
+        run_flow(
+            root,
+            name,
+            "slice.chaos.times=1",
+            "slice.chaos.at_step=25",
+            "resilience.max_preemptions=0",
+        )
+    checkpoints = root / "runs" / name / "checkpoints"
+    newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    files = [p for p in (checkpoints / str(newest) / "state").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    run = run_flow(root, name)  # the same run, resumed
+    assert run.status == "completed" and run.params_sha256 == ref.params_sha256
+    (moved,) = (root / "runs" / name / "quarantine").iterdir()
+    assert moved.name.startswith(f"{newest}-")
+    restored = [
+        e for e in read_events(Path(run.run_dir) / "events.jsonl") if e["event"] == "restored"
+    ]
+    assert restored[-1]["step"] < newest  # resumed from the checkpoint before the bad one
