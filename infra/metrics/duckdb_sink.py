@@ -44,6 +44,19 @@ def create_table_sql(model: type[TableRow]) -> str:
     return f"CREATE TABLE IF NOT EXISTS {model.table} (\n  " + ",\n  ".join(columns) + "\n)"
 
 
+@contextlib.contextmanager
+def _transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """All of the block's statements, or (on any error) none of them."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        yield
+        con.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(duckdb.Error):
+            con.execute("ROLLBACK")
+        raise
+
+
 class DuckDBSink:
     """MetricsSink writing to a DuckDB file."""
 
@@ -99,17 +112,11 @@ class DuckDBSink:
             # source's, so a row absent from the new landing (a step rolled back and never
             # re-run) does not survive from the old one. It is what BigQuery's MERGE with
             # "WHEN NOT MATCHED BY SOURCE THEN DELETE" does, in one transaction here.
-            con.execute("BEGIN TRANSACTION")
-            try:
+            with _transaction(con):
                 for model, _ in tables:
                     con.execute(f"DELETE FROM {model.table} WHERE run_id = ?", [run.run_id])
                 for model, rows in tables:
                     self._insert(con, model, rows)
-                con.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(duckdb.Error):
-                    con.execute("ROLLBACK")
-                raise
         return LandResult(runs=1, steps=len(step_rows), evals=len(eval_rows))
 
     def land_sweep(self, rows: Sequence[SweepRow]) -> int:
@@ -131,15 +138,9 @@ class DuckDBSink:
         trials = sorted({r.trial: r for r in rows}.values(), key=lambda r: r.trial)
         with self._connect() as con:
             con.execute(create_table_sql(SweepRow))
-            con.execute("BEGIN TRANSACTION")
-            try:
+            with _transaction(con):
                 con.execute("DELETE FROM sweeps WHERE sweep_id = ?", [sweep_id])
                 self._insert(con, SweepRow, trials)
-                con.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(duckdb.Error):
-                    con.execute("ROLLBACK")
-                raise
         return len(trials)
 
     def read_run(self, run_id: str) -> RunRow | None:
