@@ -3,6 +3,7 @@
     tpupipe run --config configs/demo.yaml --set train.steps=50
     tpupipe validate --config configs/demo.yaml
     tpupipe shard --source corpus/ --out .tpupipe/datasets
+    tpupipe report demo
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import os
 import sys
 
-from flows import shard_cli
+from flows import report_cli, shard_cli
 from workloads.config_file import ConfigError, load_config
 
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config field, e.g. --set train.steps=200 (repeatable)",
         )
     shard_cli.add_parser(sub)
+    report_cli.add_parser(sub)
     return parser
 
 
@@ -48,13 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "shard":
         return shard_cli.run(args)
+    if args.command == "report":
+        return report_cli.run(args)
+    from tasks.pricing import price_for
+
     try:
         config = load_config(args.config, args.overrides)
+        price = price_for(config)  # a cost.price_table that does not read is a config error
     except ConfigError as exc:
         print(f"invalid config:\n{exc}", file=sys.stderr)
         return 2
     if args.command == "validate":
-        print(f"{args.config}: valid")
+        print(f"{args.config}: valid\n  cost: {price.chips} chips, {price.describe()}")
         return 0
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline

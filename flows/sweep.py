@@ -20,7 +20,13 @@ from tasks.sweep import (
     plan_sweep,
     run_trials,
 )
-from tasks.sweep_results import SweepSummary, land_sweep, publish_leaderboard, summarize
+from tasks.sweep_results import (
+    SweepSummary,
+    attach_landed_runs,
+    land_sweep,
+    publish_leaderboard,
+    summarize,
+)
 from tasks.sweep_space import SweepConfig, Trial
 
 # Trials in flight at once (waiting for chips or watching their run); `max_parallel`
@@ -48,7 +54,7 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
     plan = plan_sweep(
         config, str(runtime.flow_run.id or "") or None, deployed=bool(runtime.deployment.id)
     )
-    results = run_trials(plan, launch)
+    results = attach_landed_runs(plan, run_trials(plan, launch))
     publish_leaderboard(plan, results)
     land_sweep(plan, results)
     return summarize(plan, results)

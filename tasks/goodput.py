@@ -10,6 +10,9 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
 - lost: that checkpoint → the attempt's end (work done again by the next attempt);
 - teardown: the attempt's end → its slice deleted;
 - idle: whatever no bucket explains (waits between attempts, orchestration).
+
+`attempt_timelines` places those buckets on the clock, attempt by attempt (the report's
+timeline is drawn from it); `compute_goodput` adds them up.
 """
 
 from __future__ import annotations
@@ -39,6 +42,44 @@ class Goodput:
         return self.seconds.get("productive", 0.0) / self.wall_s if self.wall_s > 0 else None
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One bucket's stretch of one attempt, in the events' clock (epoch seconds)."""
+
+    bucket: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        """Its length (may be negative only if the ledger's clocks disagree)."""
+        return self.end - self.start
+
+
+@dataclass
+class AttemptTimeline:
+    """One attempt as the ledger saw it: its milestones, buckets and kept steps."""
+
+    attempt: int
+    outcome: str | None  # completed / preempted / failed; None: no attempt_ended event
+    requested: float | None  # first provisioning request
+    ready: float | None  # slice ready (the last, if it was created more than once)
+    ended: float  # attempt_ended, else finished, else its last event
+    deleted: float | None  # its slice deleted by the attempt itself
+    segments: list[Segment] = field(default_factory=list)
+    first_step: int | None = None  # the step the attempt resumed after (0: from scratch)
+    kept_step: int | None = None  # the run went on from this step of this attempt's work
+
+    @property
+    def steps_kept(self) -> int:
+        """Optimizer steps of this attempt that the run kept (the goodput's productive
+        steps): from its resume point to the checkpoint the next attempt resumed from, or
+        to the finish. Steps after that were lost and trained again."""
+        if self.first_step is None or self.kept_step is None:
+            return 0
+        return max(self.kept_step - self.first_step, 0)
+
+
 def read_events(path: str | os.PathLike) -> list[dict]:
     """Events in file order; a torn last line (a writer killed mid-line) is skipped."""
     events = []
@@ -54,51 +95,91 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     return events
 
 
-def compute_goodput(events: list[dict]) -> Goodput:
-    """Split a run's wall time into buckets; see the module docstring for their meaning."""
-    if not events:
-        return Goodput(0.0, dict.fromkeys(BUCKETS, 0.0))
-    events = sorted(events, key=lambda e: e["time"])
-    by_attempt: dict[int, list[dict]] = defaultdict(list)
-    for event in events:
-        by_attempt[event.get("attempt", 0)].append(event)
-    wall = events[-1]["time"] - events[0]["time"]
-    seconds = dict.fromkeys(BUCKETS, 0.0)
-    attempts = sorted(by_attempt)
-    resumed_from = {a: _first(by_attempt[a], "first_step", "resumed_from") for a in attempts}
-    preemptions = 0
+def by_attempt(events: list[dict]) -> dict[int, list[dict]]:
+    """Events grouped by attempt number, each group in time order, attempts ascending."""
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for event in sorted(events, key=lambda e: e["time"]):
+        groups[event.get("attempt", 0)].append(event)
+    return dict(sorted(groups.items()))
+
+
+def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
+    """Each attempt's buckets as segments on the clock; see the module docstring.
+
+    Within an attempt the segments follow each other: provisioning, start-up, restore
+    (placed just before the first step), productive, lost, teardown.
+    """
+    groups = by_attempt(events)
+    attempts = list(groups)
+    resumed_from = {a: _first(groups[a], "first_step", "resumed_from") for a in attempts}
+    timelines = []
     for i, attempt in enumerate(attempts):
-        evs = by_attempt[attempt]
+        evs = groups[attempt]
         t = {e["event"]: e["time"] for e in evs}  # the last time of each event kind
         requested = _first_time(evs, "provision_requested")
         ready = t.get("provision_ready")
         end = t.get("attempt_ended", t.get("finished", evs[-1]["time"]))
-        if any(e["event"] == "attempt_ended" and e.get("outcome") == "preempted" for e in evs):
-            preemptions += 1
+        outcomes = [e.get("outcome") for e in evs if e["event"] == "attempt_ended"]
+        line = AttemptTimeline(
+            attempt=attempt,
+            outcome="preempted" if "preempted" in outcomes else (outcomes or [None])[-1],
+            requested=requested,
+            ready=ready,
+            ended=end,
+            deleted=t.get("deleted"),
+        )
+        timelines.append(line)
         if requested is not None:
-            seconds["provisioning"] += (ready or end) - requested
+            until = end if ready is None else ready
+            line.segments.append(Segment("provisioning", requested, until))
         if ready is None:
             continue
         first = _first_time(evs, "first_step")
         restore = _first(evs, "restored", "seconds") or 0.0
-        seconds["restore"] += restore
-        seconds["startup"] += max((first or end) - ready - restore, 0.0)
+        startup_end = ready + max((end if first is None else first) - ready - restore, 0.0)
+        line.segments.append(Segment("startup", ready, startup_end))
+        if restore:
+            line.segments.append(Segment("restore", startup_end, startup_end + restore))
         if first is not None:
+            line.first_step = _start_step(evs, resumed_from[attempt])
             # The run went on from the next attempt's resume point; steps after it were lost.
-            keep_until = _checkpoint_time(evs, resumed_from.get(_next(attempts, i)))
+            next_resume = resumed_from.get(_next(attempts, i))
+            keep_until = _checkpoint_time(evs, next_resume)
+            if keep_until is not None:
+                line.kept_step = next_resume
             if "finished" in t:
                 keep_until = t["finished"]
-            kept_end = min(max(keep_until or first, first), end)
-            seconds["productive"] += kept_end - first
-            seconds["lost"] += end - kept_end
+                line.kept_step = _last(evs, "finished", "step")
+            kept_end = min(max(first if keep_until is None else keep_until, first), end)
+            line.segments.append(Segment("productive", first, kept_end))
+            line.segments.append(Segment("lost", kept_end, end))
         if "deleted" in t:
-            seconds["teardown"] += max(t["deleted"] - end, 0.0)
+            line.segments.append(Segment("teardown", end, end + max(t["deleted"] - end, 0.0)))
+    return timelines
+
+
+def compute_goodput(events: list[dict]) -> Goodput:
+    """Split a run's wall time into buckets; see the module docstring for their meaning."""
+    if not events:
+        return Goodput(0.0, dict.fromkeys(BUCKETS, 0.0))
+    times = [e["time"] for e in events]
+    wall = max(times) - min(times)
+    seconds = dict.fromkeys(BUCKETS, 0.0)
+    timelines = attempt_timelines(events)
+    for line in timelines:
+        for segment in line.segments:
+            seconds[segment.bucket] += segment.seconds
     seconds["idle"] = max(wall - sum(v for k, v in seconds.items() if k != "idle"), 0.0)
-    return Goodput(wall, seconds, attempts=len(attempts), preemptions=preemptions)
+    preemptions = sum(line.outcome == "preempted" for line in timelines)
+    return Goodput(wall, seconds, attempts=len(timelines), preemptions=preemptions)
 
 
 def _first(events: list[dict], kind: str, key: str):
     return next((e.get(key) for e in events if e["event"] == kind), None)
+
+
+def _last(events: list[dict], kind: str, key: str):
+    return next((e.get(key) for e in reversed(events) if e["event"] == kind), None)
 
 
 def _first_time(events: list[dict], kind: str) -> float | None:
@@ -107,6 +188,15 @@ def _first_time(events: list[dict], kind: str) -> float | None:
 
 def _next(attempts: list[int], i: int) -> int | None:
     return attempts[i + 1] if i + 1 < len(attempts) else None
+
+
+def _start_step(events: list[dict], resumed_from: int | None) -> int | None:
+    """The step an attempt started after: its resume point (an older workload that did
+    not record one: the step before its first)."""
+    if resumed_from is not None:
+        return resumed_from
+    step = _first(events, "first_step", "step")
+    return None if step is None else step - 1
 
 
 def _checkpoint_time(events: list[dict], step: int | None) -> float | None:

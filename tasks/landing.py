@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from prefect import get_run_logger, task
@@ -10,8 +11,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
-from tasks.goodput import compute_goodput, read_events
+from tasks.goodput import read_events
+from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.plan import RunPlan
+from tasks.pricing import PriceTableError, price_for, slice_price
 from tasks.progress import loss_curve_link, write_loss_curve
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
@@ -60,7 +63,7 @@ def build_rows(
             )
         )
     ordered = sorted(metrics, key=lambda m: m["step"])
-    ledger = compute_goodput(read_events(f"{plan.run_dir}/{EVENTS}"))
+    ledger = run_ledger(config, plan.run_dir)
     run = RunRow(
         run_id=plan.run_id,
         run_name=plan.run_name,
@@ -80,13 +83,40 @@ def build_rows(
         params_sha256=verified.params_sha256 if verified else None,
         num_params=verified.num_params if verified else None,
         run_dir=plan.run_dir,
-        attempts=ledger.attempts,
-        preemptions=ledger.preemptions,
-        goodput=ledger.goodput,
-        wall_s=ledger.wall_s,
-        **{f"{bucket}_s": seconds for bucket, seconds in ledger.seconds.items()},
+        **ledger_fields(ledger),
     )
     return run, steps, evals
+
+
+def run_ledger(config: PipelineConfig, run_dir: str) -> Ledger:
+    """The run's cost ledger from its events.jsonl, priced by its config."""
+    try:
+        price = price_for(config)
+    except PriceTableError as exc:
+        # The validate stage checked the table; one broken since must not lose the row.
+        price = replace(slice_price(config), source=f"not priced: {exc}")
+    events = read_events(f"{run_dir}/{EVENTS}")
+    return compute_ledger(events, price, tokens_per_step(config))
+
+
+def ledger_fields(ledger: Ledger) -> dict:
+    """The `runs` columns of the goodput-and-cost ledger."""
+    good, price = ledger.goodput, ledger.price
+    return {
+        "attempts": good.attempts,
+        "preemptions": good.preemptions,
+        "goodput": good.goodput,
+        "wall_s": good.wall_s,
+        **{f"{bucket}_s": seconds for bucket, seconds in good.seconds.items()},
+        "chips": price.chips,
+        "chip_hours": ledger.chip_hours,
+        "usd_per_chip_hour": price.usd_per_chip_hour,
+        "price_source": price.source,
+        "price_as_of": price.as_of,
+        "cost_usd": ledger.cost_usd,
+        "tokens_trained": ledger.tokens,
+        "cost_per_million_tokens": ledger.cost_per_million_tokens,
+    }
 
 
 def _fingerprint(plan: RunPlan) -> str:
@@ -145,6 +175,8 @@ def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
             f"provisioning {fmt(run.provisioning_s)} s, start-up {fmt(run.startup_s)} s, "
             f"restore {fmt(run.restore_s)} s, lost {fmt(run.lost_s)} s, "
             f"teardown {fmt(run.teardown_s)} s |",
+            f"| cost | {cost_text(run)} |",
+            f"| cost per 1M training tokens | {per_million_text(run)} |",
             f"| run directory | `{plan.run_dir}` |",
             f"| loss curve | {loss_curve_link(write_loss_curve(plan.run_dir))} |",
             f"| metrics | `{plan.metrics_path}` ({config.metrics.sink}) |",
@@ -156,6 +188,27 @@ def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
             "```",
         ]
     )
+
+
+def cost_text(run: RunRow) -> str:
+    """`$0.3573 for 0.2978 chip-hours at $1.2000/chip-hour (source, read 2026-11-22)`, or
+    the chip-hours and why they are not priced."""
+    hours = f"{run.chip_hours or 0.0:.4f} chip-hours ({run.chips} chips)"
+    if run.cost_usd is None:
+        return f"{run.price_source or 'not priced'}; {hours}"
+    read = f", read {run.price_as_of}" if run.price_as_of else ""
+    return (
+        f"${run.cost_usd:.4f} for {hours} at ${run.usd_per_chip_hour:.4f}/chip-hour "
+        f"({run.price_source}{read})"
+    )
+
+
+def per_million_text(run: RunRow) -> str:
+    """`$1.4540 (245,760 tokens of the steps that count)`, or why there is none."""
+    tokens = f"{run.tokens_trained or 0:,} tokens of the steps that count"
+    if run.cost_per_million_tokens is None:
+        return f"n/a ({tokens})"
+    return f"${run.cost_per_million_tokens:.4f} ({tokens})"
 
 
 @task(name="publish-summary", cache_policy=NONE)

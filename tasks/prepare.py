@@ -13,6 +13,7 @@ from prefect.cache_policies import NONE
 
 from infra.storage import source_storage
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
+from tasks.pricing import price_for
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.data import DatasetError
@@ -82,10 +83,11 @@ class ArtifactProgress:
 @task(name="validate-config", cache_policy=NONE)
 def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Checks that cost nothing: field and cross-field rules (already enforced when the
-    config was built), that every source resolves, and that a rerun trains the same thing.
+    config was built), that every source resolves, that a rerun trains the same thing, and
+    that the price table (`cost.price_table`) reads.
 
     Raises:
-        ConfigError / DatasetError: naming the field or source at fault.
+        ConfigError / DatasetError: naming the field, file or source at fault.
     """
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
@@ -94,9 +96,10 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     files = data.resolve_sources(dataset.sources, source_storage(dataset.sources))
     data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
     check_resumable(config, plan)
-    get_run_logger().info(
-        "run %s: %d source files, run directory %s", plan.run_id, len(files), plan.run_dir
-    )
+    price = price_for(config)
+    logger = get_run_logger()
+    logger.info("run %s: %d source files, run directory %s", plan.run_id, len(files), plan.run_dir)
+    logger.info("cost: %d chips, %s", price.chips, price.describe())
     return plan
 
 

@@ -10,9 +10,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from pydantic import BaseModel
 
-from infra.metrics import SweepRow, build_sink
+from infra.metrics import RunRow, SweepRow, build_sink
 from tasks.plan import metrics_path
-from tasks.sweep import SweepPlan, TrialResult
+from tasks.sweep import SweepPlan, TrialResult, read_run
 
 
 class SweepFailed(RuntimeError):
@@ -30,6 +30,8 @@ class SweepSummary(BaseModel):
     best_params: dict[str, Any]
     trials: int
     completed: int
+    chip_hours: float = 0.0  # every trial with a landed run, failed ones included
+    cost_usd: float | None = None  # the priced trials' total; None: none was priced
 
 
 def objective_value(result: TrialResult, objective: str) -> float | None:
@@ -66,6 +68,8 @@ def leaderboard(results: list[TrialResult], objective: str) -> list[dict[str, An
                 objective: "" if value is None else round(value, 5),
                 **r.params,
                 "minutes": round((r.finished_at - r.started_at).total_seconds() / 60, 2),
+                "cost_usd": _rounded(r.run.cost_usd if r.run else None, 4),
+                "goodput": _rounded(r.run.goodput if r.run else None, 3),
                 "waited_s": round(r.waited_s, 1),
                 "error": (r.error or "")[:200],
             }
@@ -94,11 +98,29 @@ def sweep_rows(plan: SweepPlan, results: list[TrialResult]) -> list[SweepRow]:
             eval_loss=r.run.eval_loss if r.run else None,
             eval_bits_per_byte=r.run.eval_bits_per_byte if r.run else None,
             train_loss_last=r.run.train_loss_last if r.run else None,
+            **_cost_fields(r.run),
             started_at=r.started_at,
             finished_at=r.finished_at,
         )
         for r in results
     ]
+
+
+def _cost_fields(run: RunRow | None) -> dict[str, Any]:
+    names = ("goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens")
+    return {name: getattr(run, name) if run else None for name in names}
+
+
+def _rounded(value: float | None, digits: int) -> float | str:
+    return "" if value is None else round(value, digits)
+
+
+def totals(results: list[TrialResult]) -> tuple[float, float | None]:
+    """(chip-hours, USD) of the sweep: the sums over trials with a landed run; the cost
+    is None when no trial was priced."""
+    runs = [r.run for r in results if r.run is not None]
+    costs = [run.cost_usd for run in runs if run.cost_usd is not None]
+    return sum(run.chip_hours or 0.0 for run in runs), (sum(costs) if costs else None)
 
 
 def summarize(plan: SweepPlan, results: list[TrialResult]) -> SweepSummary:
@@ -112,6 +134,7 @@ def summarize(plan: SweepPlan, results: list[TrialResult]) -> SweepSummary:
     if best is None:
         errors = "; ".join(f"trial {r.index}: {r.error or r.status}" for r in results)
         raise SweepFailed(f"sweep {plan.sweep_id}: no trial completed ({errors})")
+    chip_hours, cost = totals(results)
     return SweepSummary(
         sweep_id=plan.sweep_id,
         objective=plan.objective,
@@ -121,6 +144,8 @@ def summarize(plan: SweepPlan, results: list[TrialResult]) -> SweepSummary:
         best_params=best.params,
         trials=len(results),
         completed=sum(r.status == "completed" for r in results),
+        chip_hours=chip_hours,
+        cost_usd=cost,
     )
 
 
@@ -137,12 +162,31 @@ def leaderboard_description(plan: SweepPlan, results: list[TrialResult]) -> str:
             f"Sweep `{plan.sweep_id}`: best trial **{best.best_trial}** "
             f"(run `{best.best_run_id}`), {plan.objective} {best.best_value:.5f} ({params})."
         )
-    return f"{head} {done} of {len(results)} trials completed."
+    chip_hours, cost = totals(results)
+    spent = "not priced" if cost is None else f"${cost:.2f}"
+    return (
+        f"{head} {done} of {len(results)} trials completed; {chip_hours:.3f} chip-hours, {spent}."
+    )
 
 
 def artifact_key(sweep_id: str) -> str:
     """The leaderboard's artifact key (lowercase letters, digits and dashes)."""
     return f"leaderboard-{sweep_id}"
+
+
+@task(name="collect-trial-runs", cache_policy=NONE)
+def attach_landed_runs(plan: SweepPlan, results: list[TrialResult]) -> list[TrialResult]:
+    """The results with each trial's `runs` row, read from the sink for the trials whose
+    launcher had none (a failed run lands its row too: its chip-hours were spent)."""
+    out = []
+    for r in results:
+        if r.run is None:
+            try:
+                r = r.model_copy(update={"run": read_run(plan.base, r.run_id)})
+            except Exception as exc:  # a missing cost must not lose the sweep's results
+                get_run_logger().warning("trial %d: no runs row read: %s", r.index, exc)
+        out.append(r)
+    return out
 
 
 @task(name="publish-leaderboard", cache_policy=NONE)

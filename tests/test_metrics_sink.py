@@ -17,6 +17,7 @@ from infra.metrics import (
     MetricsSink,
     RunRow,
     StepMetricRow,
+    SweepRow,
     build_sink,
     table_schema,
 )
@@ -145,6 +146,37 @@ def test_failure_mid_landing_keeps_previous_rows(sink, monkeypatch):
     assert sink.query("SELECT * FROM step_metrics ORDER BY step") == before
     assert sink.query("SELECT final_step FROM runs") == [(None,)]
     assert counts(sink) == (1, 5, 1)
+
+
+COST_COLUMNS = ("goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens")
+
+
+def test_an_older_sweeps_table_gains_the_cost_columns(tmp_path):
+    sink = DuckDBSink(tmp_path / "m.duckdb")
+    # The sweeps table as the first sweep landings created it, before the cost ledger.
+    old = [c for c in table_schema(SweepRow) if c.name not in COST_COLUMNS]
+    cols = ", ".join(f"{c.name} {c.type}{'' if c.nullable else ' NOT NULL'}" for c in old)
+    sink.query(f"CREATE TABLE sweeps ({cols}, PRIMARY KEY (sweep_id, trial))")
+    trial = SweepRow(
+        sweep_id="sw",
+        trial=0,
+        run_id="sw-t00",
+        status="completed",
+        params_json="{}",
+        chips=8,
+        objective="eval_loss",
+        chip_hours=0.5,
+        cost_usd=0.6,
+        tokens_trained=30_720,
+        started_at=T0,
+    )
+    assert sink.land_sweep([trial]) == 1
+    assert sink.query("SELECT chip_hours, cost_usd, tokens_trained, goodput FROM sweeps") == [
+        (0.5, 0.6, 30_720, None)
+    ]
+    # The runs table's new ledger columns land and read back too.
+    sink.land(run_row(chip_hours=0.25, cost_usd=0.3, price_source="x", tokens_trained=7), [], [])
+    assert sink.read_run("run-1").cost_usd == 0.3
 
 
 def test_rows_of_another_run_are_refused(sink):

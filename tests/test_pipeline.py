@@ -103,6 +103,22 @@ def test_summary_artifact_describes_the_run(tiny_run):
     text = artifact.data
     assert f"`{run.run_dir}`" in text and "eval bits per byte" in text
     assert f"{run.train_loss_first:.4f} → {run.train_loss_last:.4f}" in text
+    assert "| cost | not priced: a local slice" in text
+    assert f"| cost per 1M training tokens | n/a ({run.tokens_trained:,} tokens" in text
+
+
+def test_the_runs_ledger_and_its_report(tiny_run, capsys):
+    from flows.cli import main as cli_main
+
+    config, root, run = tiny_run
+    per_step = config.train.batch_size * config.dataset.seq_len
+    assert run.tokens_trained == config.train.steps * per_step  # one attempt: all steps count
+    assert run.chips == config.slice.devices and 0 < run.chip_hours < 1
+    assert run.cost_usd is None and run.price_source.startswith("not priced")
+    assert cli_main(["report", run.run_id, "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "attempts 1, preempted 0" in out and "completed" in out
+    assert (Path(run.run_dir) / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_evaluation_runs_alone_on_one_device(tiny_run):

@@ -12,7 +12,14 @@ import pytest
 
 from infra.metrics import DuckDBSink, RunRow, SweepRow
 from tasks.sweep import SweepError, SweepPlan, TrialResult, ensure_chip_limit
-from tasks.sweep_results import SweepFailed, leaderboard, ranks, summarize, sweep_rows
+from tasks.sweep_results import (
+    SweepFailed,
+    leaderboard,
+    leaderboard_description,
+    ranks,
+    summarize,
+    sweep_rows,
+)
 from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, build_trials, expand_space
 from tests.helpers import tiny_config
 from workloads.config_file import ConfigError
@@ -182,6 +189,20 @@ def test_sweep_landing_replaces_one_sweeps_rows_and_leaves_others(tmp_path):
         )
 
 
+def test_sweep_rows_carry_each_trials_cost_and_the_summary_totals_them(tmp_path):
+    results = [_result(0, loss=3.0), _result(1, status="failed", error="boom"), _result(2, loss=2)]
+    priced = {0: (0.5, 0.6), 2: (0.25, None)}  # trial 2 ran unpriced
+    for index, (chip_hours, cost) in priced.items():
+        run = results[index].run.model_copy(update={"chip_hours": chip_hours, "cost_usd": cost})
+        results[index] = results[index].model_copy(update={"run": run})
+    rows = sweep_rows(_plan(tmp_path), results)
+    assert [(r.chip_hours, r.cost_usd) for r in rows] == [(0.5, 0.6), (None, None), (0.25, None)]
+    summary = summarize(_plan(tmp_path), results)
+    assert summary.chip_hours == 0.75 and summary.cost_usd == 0.6
+    assert leaderboard(results, "eval_loss")[1]["cost_usd"] == 0.6  # trial 0, ranked second
+    assert "0.750 chip-hours, $0.60." in leaderboard_description(_plan(tmp_path), results)
+
+
 def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
     """Most intervals open at one instant (an end and a start at the same time don't meet)."""
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
@@ -219,6 +240,10 @@ def test_sweep_admits_two_trials_at_a_time_and_survives_a_failing_one(tmp_path, 
     )
     assert [t[2] for t in trials] == ["completed", "completed", "failed", "completed"]
     assert "not finite" in trials[2][8]
+    # Every trial's chip-hours are in its row, the failed one's too (its run landed a row).
+    hours = [h for (h,) in sink.query("SELECT chip_hours FROM sweeps WHERE sweep_id = 'lr'")]
+    assert len(hours) == 4 and all(h > 0 for h in hours)
+    assert summary.chip_hours == pytest.approx(sum(hours)) and summary.cost_usd is None
     intervals = [(t[4], t[5]) for t in trials]
     assert max_overlap(intervals) == 2  # never more than the limit, and really parallel
 

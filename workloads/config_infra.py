@@ -1,4 +1,5 @@
-"""Config of where a run executes and stores things: slice, storage and metrics sink.
+"""Config of where a run executes and stores things: slice, storage, metrics sink, and how
+its slice time is priced.
 
 Part of `PipelineConfig` (workloads/config.py); split out to keep each file readable.
 """
@@ -29,6 +30,7 @@ _TPU_FAMILIES: dict[str, tuple[int, int, int]] = {
 }
 _ACCELERATOR = re.compile(r"^(v4|v5p|v5litepod|v6e)-(\d+)$")
 _ZONE = re.compile(r"^[a-z]+-[a-z]+\d+-[a-z]$")
+_REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
 
 
 def tpu_topology(accelerator_type: str) -> tuple[int, int]:
@@ -91,7 +93,8 @@ class SliceConfig(_Strict):
     capacity: Literal["on-demand", "spot", "reserved"] = Field(
         "on-demand",
         description="gcp: 'spot' queues a request (queued resource) that expires after "
-        "queue_timeout_s; 'reserved' uses the project's reservation.",
+        "queue_timeout_s; 'reserved' uses the project's reservation. The cost ledger prices "
+        "gcp slices by it ('reserved' at the on-demand price unless cost.usd_per_chip_hour).",
     )
     queue_timeout_s: float = Field(
         3600.0, gt=0, description="gcp: a spot request still waiting this long is cancelled."
@@ -211,3 +214,61 @@ class MetricsConfig(_Strict):
         description="bigquery: name of a prefect-gcp GcpCredentials block (None: Application "
         "Default Credentials).",
     )
+
+
+class CostConfig(_Strict):
+    """How the cost ledger prices the run's chip-hours (it never changes what runs)."""
+
+    price_table: str | None = Field(
+        None,
+        description="A YAML/JSON price table (USD per chip-hour per TPU family and region, "
+        "the shape of tasks/tpu_prices.yaml) replacing the one shipped with tpupipe.",
+    )
+    usd_per_chip_hour: float | None = Field(
+        None,
+        gt=0,
+        description="One price per chip-hour for this run (e.g. a committed-use rate); "
+        "overrides the price table.",
+    )
+    priced_as: str | None = Field(
+        None,
+        description="local: the TPU type this local run stands for, e.g. v5litepod-8; its "
+        "chips are priced at cost.region's price. Unset: a local run is not priced.",
+    )
+    region: str | None = Field(
+        None,
+        description="local: the region whose price cost.priced_as takes, e.g. us-central1 "
+        "(gcp slices are priced in slice.zone's region).",
+    )
+    capacity: Literal["on-demand", "spot", "reserved"] | None = Field(
+        None,
+        description="local: the capacity cost.priced_as is priced at (None: "
+        "slice.capacity); gcp slices are priced at slice.capacity.",
+    )
+
+    @field_validator("priced_as")
+    @classmethod
+    def _known_tpu(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                tpu_topology(value)
+            except ValueError as exc:
+                msg = str(exc).replace("slice.accelerator_type", "cost.priced_as")
+                raise ValueError(msg) from None
+        return value
+
+    @field_validator("region")
+    @classmethod
+    def _region_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _REGION.match(value):
+            raise ValueError(f"cost.region {value!r} is not a region name like us-central1")
+        return value
+
+    @model_validator(mode="after")
+    def _region_with_type(self) -> CostConfig:
+        if self.priced_as and not self.region:
+            raise ValueError(
+                f"cost.priced_as = {self.priced_as!r} needs cost.region (prices differ by "
+                "region), e.g. us-central1"
+            )
+        return self

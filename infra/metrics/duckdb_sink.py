@@ -137,7 +137,7 @@ class DuckDBSink:
         sweep_id = one_sweep_id(rows)
         trials = sorted({r.trial: r for r in rows}.values(), key=lambda r: r.trial)
         with self._connect() as con:
-            con.execute(create_table_sql(SweepRow))
+            self._create_table(con, SweepRow)
             with _transaction(con):
                 con.execute("DELETE FROM sweeps WHERE sweep_id = ?", [sweep_id])
                 self._insert(con, SweepRow, trials)
@@ -187,17 +187,21 @@ class DuckDBSink:
         finally:
             con.close()
 
-    @staticmethod
-    def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
+    @classmethod
+    def _create_tables(cls, con: duckdb.DuckDBPyConnection) -> None:
         for model in ROW_MODELS:
-            con.execute(create_table_sql(model))
-            # Row models only ever grow by nullable columns: add them to an older file.
-            for column in table_schema(model):
-                if column.nullable:
-                    con.execute(
-                        f"ALTER TABLE {model.table} ADD COLUMN IF NOT EXISTS "
-                        f"{column.name} {column.type}"
-                    )
+            cls._create_table(con, model)
+
+    @staticmethod
+    def _create_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None:
+        con.execute(create_table_sql(model))
+        # Row models only ever grow by nullable columns: add them to an older file.
+        for column in table_schema(model):
+            if column.nullable:
+                con.execute(
+                    f"ALTER TABLE {model.table} ADD COLUMN IF NOT EXISTS "
+                    f"{column.name} {column.type}"
+                )
 
     @staticmethod
     def _insert(

@@ -130,6 +130,15 @@ class RunRow(TableRow):
     lost_s: float | None = None
     teardown_s: float | None = None
     idle_s: float | None = None
+    # The cost ledger (tasks/ledger.py): chip-hours from slice create to delete, priced.
+    chips: int | None = None
+    chip_hours: float | None = None
+    usd_per_chip_hour: float | None = None  # NULL: the run is not priced
+    price_source: str | None = None  # where the price comes from, or why there is none
+    price_as_of: str | None = None  # ISO day the price's figures were read
+    cost_usd: float | None = None
+    tokens_trained: int | None = None  # tokens of the optimizer steps that count
+    cost_per_million_tokens: float | None = None  # cost_usd per 1M tokens_trained
 
 
 class StepMetricRow(_FlaggedRow):
@@ -209,6 +218,12 @@ class SweepRow(_FlaggedRow):
     eval_loss: float | None = None
     eval_bits_per_byte: float | None = None
     train_loss_last: float | None = None
+    # The trial's cost ledger, from its `runs` row; a sweep's totals are their sums.
+    goodput: float | None = None
+    chip_hours: float | None = None
+    cost_usd: float | None = None
+    tokens_trained: int | None = None
+    cost_per_million_tokens: float | None = None
     nonfinite: bool = False
     started_at: datetime
     finished_at: datetime | None = None

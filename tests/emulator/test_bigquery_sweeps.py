@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from infra.metrics import RunRow, SweepRow
-from infra.metrics.bigquery_sink import BigQuerySink
+from infra.metrics.bigquery_sink import BigQuerySink, bq_schema
 
 pytestmark = pytest.mark.emulator
 
@@ -78,7 +78,26 @@ def test_read_run_returns_the_landed_row_or_none(sink):
         started_at=T0,
         eval_loss=2.5,
         run_dir="gs://b/runs/sw-t00",
+        chip_hours=0.3,
+        cost_usd=0.36,
+        price_source="tasks/tpu_prices.yaml: v5litepod us-central1 on_demand",
+        price_as_of="2026-11-22",
+        tokens_trained=30_720,
+        cost_per_million_tokens=11.72,
     )
     sink.land(run, [], [])
     assert sink.read_run("sw-t00") == run
     assert sink.read_run("missing") is None
+
+
+def test_an_older_sweeps_table_gains_the_cost_columns(sink):
+    from google.cloud import bigquery
+
+    sink.ensure_tables()
+    cost = {"goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens"}
+    old = [f for f in bq_schema(SweepRow) if f.name not in cost]  # before the cost ledger
+    sink.client.create_table(bigquery.Table(f"{sink.dataset}.sweeps", schema=old))
+    row = trial("sw", 0, 3.0).model_copy(update={"chip_hours": 0.5, "cost_usd": 0.6})
+    assert sink.land_sweep([row]) == 1
+    got = sink.query(f"SELECT chip_hours, cost_usd, goodput FROM `{sink.dataset}.sweeps`")
+    assert got == [(0.5, 0.6, None)]

@@ -1,0 +1,71 @@
+"""`tpupipe report RUN_ID`: print a run's timeline (attempts, preemptions, goodput, cost)
+and write a PNG of its loss curve and attempt timeline.
+
+    tpupipe report demo                                   # under ./.tpupipe
+    tpupipe report r1 --config configs/gcp.yaml           # that config's storage.root
+    tpupipe report demo --config configs/demo.yaml \\
+        --set cost.priced_as=v5litepod-8 --set cost.region=us-central1   # re-price it
+
+The run is priced by its own config.json, or by the cost section of `--config` when one is
+given. Exits 0 with the report, 1 when the run does not exist (naming the runs that do) or
+its price table cannot be read, 2 on an invalid config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from workloads.config_file import ConfigError, load_config
+
+DEFAULT_ROOT = ".tpupipe"  # StorageConfig's default storage root
+
+
+def add_parser(sub: Any) -> None:
+    """Add the `report` subcommand to the `tpupipe` subparsers."""
+    cmd = sub.add_parser("report", help="print a run's timeline and cost, and plot it")
+    cmd.add_argument("run_id", metavar="RUN_ID", help="the run's id (its run_name)")
+    cmd.add_argument("--config", help="pipeline config YAML: its storage.root and cost section")
+    cmd.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of --config, e.g. --set cost.region=us-east5 (repeatable)",
+    )
+    cmd.add_argument(
+        "--root", help=f"storage root holding runs/ (default: --config's, else {DEFAULT_ROOT})"
+    )
+    cmd.add_argument("--out", metavar="PNG", help="where to write the PNG (default: in the run)")
+    cmd.add_argument("--no-png", action="store_true", help="print the timeline only")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `tpupipe report`; returns the exit code."""
+    cost, root = None, args.root
+    if args.config:
+        try:
+            config = load_config(args.config, args.overrides)
+        except ConfigError as exc:
+            print(f"invalid config:\n{exc}", file=sys.stderr)
+            return 2
+        cost, root = config.cost, root or config.storage.root
+    elif args.overrides:
+        print("--set needs --config (it overrides that file's fields)", file=sys.stderr)
+        return 2
+    from tasks.pricing import PriceTableError
+    from tasks.report import RunNotFound, format_report, load_report
+
+    try:
+        report = load_report(root or DEFAULT_ROOT, args.run_id, cost)
+    except (RunNotFound, PriceTableError) as exc:
+        print(f"tpupipe report: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    if not args.no_png:
+        from tasks.report_plot import write_report_png
+
+        print(f"plot: {write_report_png(report, args.out)}")
+    return 0

@@ -1,0 +1,147 @@
+"""The cost ledger of a run: chip-hours and dollars per attempt, next to goodput, and what
+the money bought (tokens trained, cost per million of them). Pure functions over the
+events of `events.jsonl`; no Prefect.
+
+Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
+
+- It starts when a node can exist. For on-demand and reserved slices that is the create
+  request that produced the slice (the last `provision_requested` before
+  `provision_ready`): the node's creation and the wait for READY are counted, so a slow
+  create weighs on the run's cost. For spot slices it is `provision_ready`: a spot request
+  is a queued resource, which has no node and costs nothing while it waits for capacity,
+  and READY is the ledger's first sign of the node. So queued spot waits are never billed
+  (they still count as provisioning badput, in time).
+- It ends when the attempt deleted its slice (`deleted`), so teardown lag is billed. An
+  attempt that has no `deleted` event (its slice was already gone, or was deleted later by
+  the flow or the reaper) is billed to its end (`attempt_ended`, else its last event).
+- Failed creates and the back-off between them bill nothing: no node existed.
+
+Google bills Cloud TPU "while your TPU node is in a READY state" (cloud.google.com/tpu/
+pricing), so the ledger errs high where it counts a node that may not be READY yet or any
+more (an on-demand node being created; a preempted node until it is deleted); it never
+counts time when no node can exist. Tokens trained are the steps that count (the goodput's
+productive steps: work a checkpoint kept, each step once) × global batch × sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.goodput import AttemptTimeline, Goodput, attempt_timelines, by_attempt, compute_goodput
+from tasks.pricing import Price
+from workloads.config import PipelineConfig
+
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class AttemptCost:
+    """One attempt's timeline with its billing window, chip-hours and cost."""
+
+    timeline: AttemptTimeline
+    billed_from: float | None  # None: no slice was ever ready in this attempt
+    billed_to: float | None
+    chip_hours: float
+    cost_usd: float | None  # None: the run is not priced
+
+    @property
+    def billed_s(self) -> float:
+        """Seconds of the billing window."""
+        if self.billed_from is None or self.billed_to is None:
+            return 0.0
+        return self.billed_to - self.billed_from
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A run's cost next to its goodput."""
+
+    price: Price
+    goodput: Goodput
+    attempts: list[AttemptCost]
+    tokens_per_step: int
+    steps: int  # optimizer steps that count
+    chip_hours: float
+    cost_usd: float | None
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens the kept steps consumed."""
+        return self.steps * self.tokens_per_step
+
+    @property
+    def cost_per_million_tokens(self) -> float | None:
+        """USD per 1M training tokens (None when not priced or nothing was kept)."""
+        if self.cost_usd is None or self.tokens <= 0:
+            return None
+        return self.cost_usd / self.tokens * 1e6
+
+
+def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | None:
+    """(start, end) epoch seconds one attempt's slice is billed for; see the module
+    docstring. None when no slice became ready in the attempt.
+
+    Args:
+        events: the events of one attempt, in time order.
+        capacity: `slice.capacity` ('on-demand', 'spot' or 'reserved').
+    """
+    ready = [e["time"] for e in events if e["event"] == "provision_ready"]
+    if not ready:
+        return None
+    if capacity == "spot":
+        start = ready[-1]
+    else:
+        requests = [
+            e["time"]
+            for e in events
+            if e["event"] == "provision_requested" and e["time"] <= ready[-1]
+        ]
+        start = requests[-1] if requests else ready[-1]
+    kinds = {e["event"]: e["time"] for e in events}  # the last of each kind
+    end = kinds.get("deleted", kinds.get("attempt_ended", events[-1]["time"]))
+    return start, max(end, start)
+
+
+def compute_ledger(events: list[dict], price: Price, tokens_per_step: int) -> Ledger:
+    """The run's ledger from its events.
+
+    Args:
+        events: every event of the run (any order).
+        price: what one chip-hour costs (`tasks.pricing.price_for`), with the chip count.
+        tokens_per_step: training tokens per optimizer step (global batch × seq_len).
+
+    Returns:
+        Per-attempt billing windows, chip-hours and cost; run totals; tokens that count.
+    """
+    groups = by_attempt(events)
+    usd = price.usd_per_chip_hour
+    attempts = []
+    for line in attempt_timelines(events):
+        window = billing_window(groups[line.attempt], price.capacity)
+        seconds = window[1] - window[0] if window else 0.0
+        chip_hours = price.chips * seconds / SECONDS_PER_HOUR
+        attempts.append(
+            AttemptCost(
+                timeline=line,
+                billed_from=window[0] if window else None,
+                billed_to=window[1] if window else None,
+                chip_hours=chip_hours,
+                cost_usd=None if usd is None else chip_hours * usd,
+            )
+        )
+    chip_hours = sum(a.chip_hours for a in attempts)
+    return Ledger(
+        price=price,
+        goodput=compute_goodput(events),
+        attempts=attempts,
+        tokens_per_step=tokens_per_step,
+        steps=sum(a.timeline.steps_kept for a in attempts),
+        chip_hours=chip_hours,
+        cost_usd=None if usd is None else chip_hours * usd,
+    )
+
+
+def tokens_per_step(config: PipelineConfig) -> int:
+    """Training tokens per optimizer step: the global batch of packed sequences (packing
+    leaves no padding, see README) × their length."""
+    return config.train.batch_size * config.dataset.seq_len

@@ -1,0 +1,184 @@
+"""What a chip-hour of a run's slice costs: the shipped price table, overrides, and the
+one price a run is charged at.
+
+The table (`tasks/tpu_prices.yaml`, dated and cited inside) gives USD per chip-hour per TPU
+family and region, on-demand and spot. A config may replace it (`cost.price_table`) or set
+one flat price (`cost.usd_per_chip_hour`). The price follows `slice.capacity`: spot pays
+the spot price; on-demand and reserved pay on-demand (a reservation's committed rate is per
+contract and not public: set `cost.usd_per_chip_hour` to use it). A local slice may be
+priced at another capacity than its `slice.capacity` with `cost.capacity`.
+
+Local slices are priced only as the TPU type the user says they stand for
+(`cost.priced_as` in `cost.region`); otherwise, and wherever the table has no figure, the
+run is reported as not priced (None), never at a made-up price.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+from dataclasses import dataclass, replace
+from datetime import date
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from workloads.config import PipelineConfig, tpu_topology
+from workloads.config_file import ConfigError
+
+SHIPPED_TABLE = "tpu_prices.yaml"
+
+Family = Literal["v4", "v5p", "v5litepod", "v6e"]
+Region = Annotated[str, StringConstraints(pattern=r"^[a-z]+-[a-z]+\d+$")]
+
+
+class PriceTableError(ConfigError):
+    """A price table that cannot be read or has a bad figure; names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class RegionPrice(_Strict):
+    """USD per chip-hour in one region; a missing figure means 'not known', not zero."""
+
+    on_demand: float | None = Field(None, gt=0)
+    spot: float | None = Field(None, gt=0)
+
+
+class PriceTable(_Strict):
+    """A dated, cited table of TPU prices per chip-hour."""
+
+    source: str = Field(min_length=1, description="Where the figures come from (a URL).")
+    read_on: date = Field(description="The day the figures were read from the source.")
+    currency: Literal["USD"] = "USD"
+    families: dict[Family, dict[Region, RegionPrice]]
+
+
+@dataclass(frozen=True)
+class Price:
+    """The price a run's chip-hours are charged at, and where it comes from.
+
+    `usd_per_chip_hour` is None when the run is not priced; `source` then says why.
+    """
+
+    chips: int
+    capacity: str
+    accelerator: str | None  # the TPU type priced, e.g. v5litepod-8
+    region: str | None
+    usd_per_chip_hour: float | None
+    source: str
+    as_of: str | None = None  # ISO date the figure was read
+
+    def describe(self) -> str:
+        """`$1.2000/chip-hour (source, read 2026-11-22)`, or why the run is not priced."""
+        if self.usd_per_chip_hour is None:
+            return self.source
+        read = f", read {self.as_of}" if self.as_of else ""
+        return f"${self.usd_per_chip_hour:.4f}/chip-hour ({self.source}{read})"
+
+
+def load_price_table(path: str | os.PathLike | None = None) -> PriceTable:
+    """The price table in `path` (YAML or JSON), or the one shipped with tpupipe.
+
+    Raises:
+        PriceTableError: the file cannot be read or parsed, or a field is invalid; the
+            message names the file and each bad field.
+    """
+    if path is None:
+        return _shipped_table()
+    return _parse(_read(os.fspath(path)), os.fspath(path))
+
+
+@functools.cache
+def _shipped_table() -> PriceTable:
+    # importlib.resources finds the file inside an installed wheel as well as a checkout.
+    text = importlib.resources.files("tasks").joinpath(SHIPPED_TABLE).read_text()
+    return _parse(text, f"tasks/{SHIPPED_TABLE}")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise PriceTableError(
+            f"cost.price_table = {path!r}: cannot read it: {exc.strerror}"
+        ) from None
+
+
+def _parse(text: str, name: str) -> PriceTable:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PriceTableError(f"{name}: not valid YAML or JSON: {exc}") from None
+    try:
+        return PriceTable.model_validate(data)
+    except ValidationError as exc:
+        problems = [
+            f"{name}: {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise PriceTableError("\n".join(problems)) from None
+
+
+def slice_price(config: PipelineConfig) -> Price:
+    """What is priced, before any table is read: chips, capacity, TPU type and region;
+    `usd_per_chip_hour` None ("not priced" until `price_for` finds a figure)."""
+    sl, cost = config.slice, config.cost
+    accelerator = sl.accelerator_type if sl.provider == "gcp" else cost.priced_as
+    region = _region(sl.zone) if sl.provider == "gcp" else cost.region
+    # One JAX device per chip: a local run's devices stand for chips, as sweeps count them.
+    chips = tpu_topology(accelerator)[0] if accelerator else sl.devices
+    return Price(chips, cost.capacity or sl.capacity, accelerator, region, None, "not priced")
+
+
+def price_for(config: PipelineConfig, table: PriceTable | None = None) -> Price:
+    """The price of one chip-hour of `config`'s slice.
+
+    Args:
+        config: the run's config (slice, cost).
+        table: the price table (default: `cost.price_table`, else the shipped one).
+
+    Returns:
+        The price with its provenance; `usd_per_chip_hour` None when not priced.
+
+    Raises:
+        PriceTableError: `cost.price_table` is unreadable or invalid.
+    """
+    cost = config.cost
+    base = slice_price(config)
+    if table is None:
+        table = load_price_table(cost.price_table)
+    if cost.usd_per_chip_hour is not None:
+        return _with(base, cost.usd_per_chip_hour, "cost.usd_per_chip_hour (config)")
+    if base.accelerator is None:
+        return _with(
+            base,
+            None,
+            "not priced: a local slice (set cost.priced_as and cost.region, or "
+            "cost.usd_per_chip_hour)",
+        )
+    family = base.accelerator.rsplit("-", 1)[0]
+    kind = "spot" if base.capacity == "spot" else "on_demand"
+    figure = table.families.get(family, {}).get(base.region or "")
+    usd = getattr(figure, kind) if figure else None
+    label = cost.price_table or f"tasks/{SHIPPED_TABLE}"
+    if usd is None:
+        reason = f"not priced: no {kind} price for {family} in {base.region} in {label}"
+        return _with(base, None, reason)
+    note = " (reserved: priced on-demand)" if base.capacity == "reserved" else ""
+    where = f"{label} ({table.source}): {family} {base.region} {kind}{note}"
+    return _with(base, usd, where, table.read_on.isoformat())
+
+
+def _with(base: Price, usd: float | None, source: str, as_of: str | None = None) -> Price:
+    return replace(base, usd_per_chip_hour=usd, source=source, as_of=as_of)
+
+
+def _region(zone: str | None) -> str | None:
+    """`us-central1-a` -> `us-central1`."""
+    return zone.rsplit("-", 1)[0] if zone else None

@@ -1,0 +1,199 @@
+"""`tpupipe report RUN_ID`: a run's timeline, goodput and cost, read from its run directory.
+
+Everything comes from the files the run left (`config.json`, `events.jsonl`,
+`metrics.jsonl`, `eval.json`), so a report works for a finished, failed or running run,
+on a local or gs:// storage root, with no Prefect and no metrics sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from etils import epath
+
+from tasks.goodput import BUCKETS, AttemptTimeline, read_events
+from tasks.ledger import Ledger, compute_ledger, tokens_per_step
+from tasks.pricing import Price, price_for
+from workloads.config import CostConfig, PipelineConfig, WorkloadConfig
+from workloads.events import EVENTS
+from workloads.rundir import CONFIG, EVAL, RunDir, read_json
+
+REPORT_PNG = "report.png"
+# Columns of the timeline table: the buckets an attempt has (idle is between attempts).
+ATTEMPT_BUCKETS = tuple(b for b in BUCKETS if b != "idle")
+
+
+class RunNotFound(LookupError):
+    """No run directory of that id under the storage root."""
+
+
+@dataclass
+class RunReport:
+    """What the report shows of one run."""
+
+    run_id: str
+    run_dir: str
+    config: PipelineConfig | None  # None: the run never got as far as its config.json
+    ledger: Ledger
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evaluation: dict[str, Any] | None = None
+
+
+def find_run_dir(root: str, run_id: str) -> str:
+    """`{root}/runs/{run_id}`, which must exist.
+
+    Raises:
+        RunNotFound: with the runs that do exist there (up to 10), to pick from.
+    """
+    runs = epath.Path(root) / "runs"
+    run_dir = runs / run_id
+    if run_id and "/" not in run_id and run_dir.is_dir():
+        return str(run_dir)
+    known = sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+    listed = ", ".join(known[:10]) + (", …" if len(known) > 10 else "")
+    there = f"runs there: {listed}" if known else "no runs there"
+    raise RunNotFound(f"no run {run_id!r} under {runs} ({there})")
+
+
+def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunReport:
+    """Read one run's report from its run directory.
+
+    Args:
+        root: the storage root (a directory or gs://bucket/prefix).
+        run_id: the run's id (its name).
+        cost: price with this cost section instead of the run's own (to re-price a run).
+
+    Raises:
+        RunNotFound: no such run under `root`.
+        PriceTableError: the price table to use cannot be read.
+    """
+    run_dir = find_run_dir(root, run_id)
+    config = _run_config(run_dir)
+    if config is not None and cost is not None:
+        config = config.model_copy(update={"cost": cost})
+    if config is None:
+        price = Price(0, "on-demand", None, None, None, "not priced: the run has no config.json")
+        per_step = 0
+    else:
+        price, per_step = price_for(config), tokens_per_step(config)
+    ledger = compute_ledger(read_events(f"{run_dir}/{EVENTS}"), price, per_step)
+    return RunReport(
+        run_id=run_id,
+        run_dir=run_dir,
+        config=config,
+        ledger=ledger,
+        metrics=RunDir(run_dir).read_metrics(),
+        evaluation=read_json(epath.Path(run_dir) / EVAL),
+    )
+
+
+def _run_config(run_dir: str) -> PipelineConfig | None:
+    path = epath.Path(run_dir) / CONFIG
+    if not path.exists():
+        return None
+    return WorkloadConfig.model_validate_json(path.read_text()).pipeline
+
+
+def format_report(report: RunReport) -> str:
+    """The timeline as plain text: one line per attempt, then the run's totals."""
+    ledger, price = report.ledger, report.ledger.price
+    good = ledger.goodput
+    lines = [f"run {report.run_id}: {report.run_dir}", _slice_line(report), ""]
+    if not ledger.attempts:
+        return "\n".join([*lines, "no attempts recorded yet (events.jsonl is empty)"])
+    t0 = origin(ledger)
+    started = datetime.fromtimestamp(t0, UTC).isoformat(timespec="seconds")
+    lines.append(f"times in seconds from the first provisioning request, {started}")
+    header = ["attempt", "start", "end", "outcome", *ATTEMPT_BUCKETS, "billed", "chip-h", "cost"]
+    rows = [header]
+    for a in ledger.attempts:
+        line = a.timeline
+        seconds = dict.fromkeys(ATTEMPT_BUCKETS, 0.0)
+        for segment in line.segments:
+            seconds[segment.bucket] += segment.seconds
+        end = line.deleted if line.deleted is not None else line.ended
+        rows.append(
+            [
+                str(line.attempt),
+                f"+{_start(line) - t0:.1f}",
+                f"+{end - t0:.1f}",
+                line.outcome or "running?",
+                *(f"{seconds[b]:.1f}" for b in ATTEMPT_BUCKETS),
+                f"{a.billed_s:.1f}",
+                f"{a.chip_hours:.4f}",
+                _usd(a.cost_usd),
+            ]
+        )
+    lines += _table(rows)
+    badput = ", ".join(f"{b} {good.seconds[b]:.1f}s" for b in BUCKETS if b != "productive")
+    ratio = "n/a" if good.goodput is None else f"{good.goodput:.1%}"
+    lines += [
+        "",
+        f"attempts {good.attempts}, preempted {good.preemptions}; wall {good.wall_s:.1f}s; "
+        f"goodput {ratio} (productive {good.seconds['productive']:.1f}s)",
+        f"badput: {badput}",
+        f"steps that count: {ledger.steps} x {ledger.tokens_per_step:,} tokens "
+        f"= {ledger.tokens:,} training tokens",
+        f"cost: {_usd(ledger.cost_usd)} for {ledger.chip_hours:.4f} chip-hours "
+        f"({price.chips} chips); per 1M training tokens: {_usd(ledger.cost_per_million_tokens)}",
+    ]
+    loss = _loss_line(report)
+    return "\n".join([*lines, *([loss] if loss else [])])
+
+
+def origin(ledger: Ledger) -> float:
+    """The report's time zero: the run's first provisioning request (epoch seconds)."""
+    return min(_start(a.timeline) for a in ledger.attempts)
+
+
+def _start(line: AttemptTimeline) -> float:
+    """An attempt's first milestone: its provisioning request (else its end)."""
+    return line.ended if line.requested is None else line.requested
+
+
+def _slice_line(report: RunReport) -> str:
+    price = report.ledger.price
+    if report.config is None:
+        return f"slice: unknown; {price.describe()}"
+    sl = report.config.slice
+    if sl.provider == "gcp":
+        return f"slice: {sl.accelerator_type} ({price.capacity}) in {price.region}; " + (
+            price.describe()
+        )
+    priced = f"priced as {price.accelerator} ({price.capacity}) in {price.region}: "
+    return f"slice: local, {sl.devices} devices; {priced if price.accelerator else ''}" + (
+        price.describe()
+    )
+
+
+def _loss_line(report: RunReport) -> str | None:
+    rows = sorted((m for m in report.metrics if m.get("loss") is not None), key=_step)
+    if not rows:
+        return None
+    text = f"train loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} (step {_step(rows[-1])})"
+    ev = report.evaluation or {}
+    if ev.get("loss") is not None:
+        text += f"; eval loss {ev['loss']:.4f} at step {ev.get('step')}"
+    return text
+
+
+def _step(row: dict[str, Any]) -> int:
+    return row["step"]
+
+
+def _usd(value: float | None) -> str:
+    return "not priced" if value is None else f"${value:.4f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns (the outcome, a word, left-aligned)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 3 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]

@@ -1,0 +1,149 @@
+"""`tpupipe report` on a recorded run directory, and the ledger's landing in the `runs` row
+and the run summary. Expected figures are worked out by hand from the recorded events."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main as cli_main
+from infra.metrics import DuckDBSink, RunRow
+from tasks.landing import ledger_fields, run_ledger, summary_markdown
+from tasks.plan import plan_run
+from tests.helpers import REPO, tiny_config
+from workloads.config import WorkloadConfig
+
+RECORDED = Path(__file__).parent / "data" / "events-three-attempts.jsonl"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Recorded run, 8 chips on-demand at $2/chip-hour: billed 46 + 37 + 51 = 134 s.
+COST = 8 * 134 / 3600 * 2.0  # $0.59556
+TOKENS = (20 + 10 + 30) * 16 * 32  # steps that count x tiny.yaml's batch x seq_len
+PER_MILLION = COST / TOKENS * 1e6  # $19.3866
+
+
+def fake_run(root: Path, *overrides: str, name: str = "three") -> Path:
+    """A run directory as the pipeline leaves it: config.json, the recorded events, a few
+    metrics rows and an eval.json."""
+    config = tiny_config(root, f"run_name={name}", *overrides)
+    plan = plan_run(config)
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True)
+    workload = WorkloadConfig(
+        pipeline=config,
+        run_id=plan.run_id,
+        run_dir=plan.run_dir,
+        dataset_dir=str(root / "datasets" / "fp"),
+        config_hash=plan.config_hash,
+    )
+    (run_dir / "config.json").write_text(workload.model_dump_json())
+    shutil.copy(RECORDED, run_dir / "events.jsonl")
+    rows = [{"step": s, "loss": 5.0 - s / 20, "time": 20.0 + s} for s in range(2, 61, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "eval.json").write_text(json.dumps({"step": 60, "loss": 2.25}))
+    return run_dir
+
+
+def test_report_prints_the_timeline_and_writes_a_png(tmp_path, capsys):
+    run_dir = fake_run(tmp_path, "cost.usd_per_chip_hour=2.0")
+    assert cli_main(["report", "three", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    attempts = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"], ["3"])]
+    # attempt, start, end, outcome, six buckets, billed seconds, chip-hours, cost
+    first = "1 +0.0 +46.0 preempted 10.0 10.0 0.0 20.0 5.0 1.0 46.0 0.1022 $0.2044"
+    assert attempts[0] == first.split(" ")
+    assert attempts[1][:4] == ["2", "+50.0", "+97.0", "preempted"]
+    assert attempts[1][4] == "20.0" and attempts[1][-3:] == ["37.0", "0.0822", "$0.1644"]
+    assert attempts[2][3] == "completed" and attempts[2][-3:] == ["51.0", "0.1133", "$0.2267"]
+    assert "attempts 3, preempted 2; wall 151.0s; goodput 46.4% (productive 70.0s)" in out
+    assert "provisioning 35.0s" in out and "idle 7.0s" in out
+    assert f"= {TOKENS:,} training tokens" in out
+    assert f"cost: ${COST:.4f} for {8 * 134 / 3600:.4f} chip-hours (8 chips)" in out
+    assert f"per 1M training tokens: ${PER_MILLION:.4f}" in out
+    assert "eval loss 2.2500 at step 60" in out
+    png = run_dir / "report.png"
+    assert f"plot: {png}" in out
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    from PIL import Image
+
+    with Image.open(png) as image:
+        image.verify()  # a whole, decodable PNG
+        assert image.format == "PNG" and image.size == (800, 650)
+
+
+def test_report_can_reprice_a_run_and_write_elsewhere(tmp_path, capsys):
+    fake_run(tmp_path, "cost.usd_per_chip_hour=2.0")
+    out_png = tmp_path / "elsewhere.png"
+    args = ["report", "three", "--config", str(REPO / "configs" / "tiny.yaml")]
+    args += ["--set", f"storage.root={tmp_path}", "--set", "cost.usd_per_chip_hour=1.0"]
+    assert cli_main([*args, "--out", str(out_png)]) == 0
+    assert f"cost: ${COST / 2:.4f}" in capsys.readouterr().out
+    assert out_png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_an_unpriced_run_reports_chip_hours_without_cost(tmp_path, capsys):
+    fake_run(tmp_path)
+    assert cli_main(["report", "three", "--root", str(tmp_path), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    assert "not priced: a local slice" in out
+    assert f"cost: not priced for {8 * 134 / 3600:.4f} chip-hours" in out
+    assert not (tmp_path / "runs" / "three" / "report.png").exists()
+
+
+def test_unknown_run_exits_non_zero_naming_the_runs_there(tmp_path, capsys):
+    fake_run(tmp_path)
+    assert cli_main(["report", "nope", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no run 'nope' under" in err and "runs there: three" in err
+    assert cli_main(["report", "x", "--root", str(tmp_path / "empty")]) == 1
+    assert "no runs there" in capsys.readouterr().err
+    assert cli_main(["report", "three", "--set", "cost.region=us-east1"]) == 2  # no --config
+
+
+def test_the_ledger_lands_in_the_runs_row_and_the_summary(tmp_path):
+    run_dir = fake_run(tmp_path, "cost.usd_per_chip_hour=2.0")
+    config = tiny_config(tmp_path, "run_name=three", "cost.usd_per_chip_hour=2.0")
+    plan = plan_run(config)
+    row = RunRow(
+        run_id="three",
+        run_name="three",
+        status="completed",
+        config_hash=plan.config_hash,
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at="2026-11-22T00:00:00Z",
+        run_dir=str(run_dir),
+        **ledger_fields(run_ledger(config, str(run_dir))),
+    )
+    assert (row.chips, row.usd_per_chip_hour, row.tokens_trained) == (8, 2.0, TOKENS)
+    assert row.chip_hours == pytest.approx(8 * 134 / 3600)
+    assert row.cost_usd == pytest.approx(COST)
+    assert row.cost_per_million_tokens == pytest.approx(PER_MILLION)
+    assert row.price_source == "cost.usd_per_chip_hour (config)" and row.goodput == pytest.approx(
+        70 / 151
+    )
+    sink = DuckDBSink(tmp_path / "m.duckdb")
+    sink.land(row, [], [])
+    assert sink.read_run("three") == row
+    summary = summary_markdown(config, plan, row)
+    assert f"| cost | ${COST:.4f} for 0.2978 chip-hours (8 chips) at $2.0000/chip-hour" in summary
+    assert f"| cost per 1M training tokens | ${PER_MILLION:.4f} ({TOKENS:,} tokens" in summary
+
+
+def test_a_price_table_broken_after_validation_still_lands_the_row(tmp_path):
+    table = tmp_path / "prices.yaml"
+    config = tiny_config(
+        tmp_path,
+        "run_name=three",
+        "cost.priced_as=v5litepod-8",
+        "cost.region=us-central1",
+        f"cost.price_table={table}",  # missing by the time the run lands
+    )
+    run_dir = fake_run(tmp_path)
+    ledger = run_ledger(config, str(run_dir))
+    assert ledger.cost_usd is None and ledger.chip_hours == pytest.approx(8 * 134 / 3600)
+    assert ledger.price.source.startswith("not priced: cost.price_table = ")
