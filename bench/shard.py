@@ -79,7 +79,7 @@ def writer_floor(dataset_dir: str, root: Path) -> float:
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
     from workloads.manifest import load_manifest, shard_paths
-    from workloads.packing import WRITER_OPTIONS
+    from workloads.packing import writer_options
 
     manifest = load_manifest(dataset_dir)
     shards = []
@@ -91,7 +91,7 @@ def writer_floor(dataset_dir: str, root: Path) -> float:
     start = time.perf_counter()
     for i, records in enumerate(shards):
         out = root / f"floor-{i}.arrayrecord"
-        writer = ArrayRecordWriter(str(out), WRITER_OPTIONS)
+        writer = ArrayRecordWriter(str(out), writer_options(len(records[0])))
         for r in records:
             writer.write(r)
         writer.close()

@@ -17,8 +17,8 @@ import numpy as np
 from workloads.sources import DatasetError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1 (uint16, byte tokenizer) has every field readers use
+FORMAT_VERSION = 3  # 3: ArrayRecord chunks of several records (packing.writer_options)
+READABLE_VERSIONS = (1, 2, 3)  # version 1 (uint16, byte tokenizer) has every field readers use
 TMP_PREFIX = ".tmp-"
 SPLITS = ("train", "eval")
 
