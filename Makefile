@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV_VERSION := 0.13.8
 
-.PHONY: demo test lint venv lock clean bq-emulator chromium
+.PHONY: demo test bench lint venv lock clean bq-emulator chromium
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ lint: venv
 
 test: lint bq-emulator chromium
 	$(VENV)/bin/pytest
+
+# Every benchmark under bench/ (about 13 minutes on 2 cores): bench/results/<date>.json
+# and .md, one row per figure with the two measurements it divides.
+bench: venv
+	$(PY) bench/run_all.py
 
 # Re-resolve the pinned dependencies after editing pyproject.toml.
 lock: venv

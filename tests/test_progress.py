@@ -37,7 +37,12 @@ class FakeArtifacts:
 def test_progress_follows_the_heartbeat_and_skips_small_moves():
     fake = FakeArtifacts()
     bar = TrainingProgress(
-        200, progress_key("r1"), min_step=5.0, create=fake.create, update=fake.update
+        200,
+        progress_key("r1"),
+        min_step=5.0,
+        create=fake.create,
+        update=fake.update,
+        min_interval_s=0.0,
     )
     assert bar.update(None) is None and bar.update({"phase": "starting"}) is None
     beats = [
@@ -55,9 +60,29 @@ def test_progress_follows_the_heartbeat_and_skips_small_moves():
     assert fake.calls[2][2] == "step 20 of 200, loss 4.1000 (training)"
 
 
+def test_progress_moves_at_most_every_min_interval_unless_the_phase_changes():
+    fake, now = FakeArtifacts(), [0.0]
+    bar = TrainingProgress(
+        100, "k", create=fake.create, update=fake.update, min_interval_s=5.0, clock=lambda: now[0]
+    )
+    shown = []
+    for step, at, phase in [
+        (1, 0.0, "training"),  # created
+        (10, 1.0, "training"),  # 1 s later: held back
+        (20, 5.0, "training"),  # 5 s after the last call: sent
+        (30, 6.0, "saving"),  # a new phase always goes
+        (99, 7.0, "saving"),  # held back
+        (100, 7.5, "finished"),  # the end always goes
+    ]:
+        now[0] = at
+        shown.append(bar.update({"step": step, "phase": phase}))
+    assert shown == [1.0, None, 20.0, 30.0, None, 100.0]
+    assert len(fake.calls) == 4
+
+
 def test_progress_errors_never_reach_the_watch_loop():
     fake = FakeArtifacts(fail_after=1)
-    bar = TrainingProgress(10, "k", create=fake.create, update=fake.update)
+    bar = TrainingProgress(10, "k", create=fake.create, update=fake.update, min_interval_s=0.0)
     assert bar.update({"step": 1, "phase": "training"}) == 10.0
     assert bar.update({"step": 5, "phase": "training"}) is None  # the API failed: logged
     assert bar.update({"step": 9, "phase": "training"}) is None  # and no longer tried

@@ -1,0 +1,98 @@
+"""`make bench`'s report: every figure becomes a row holding the two measurements it
+divides, and the goal check reads the goal's direction."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from tests.helpers import REPO
+
+spec = importlib.util.spec_from_file_location("run_all", REPO / "bench" / "run_all.py")
+run_all = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_all)
+
+# One output of each benchmark, in the shape each writes with --out.
+RESULTS = {
+    "shard": {
+        "corpus_mb": 31.5,
+        "plain_mb_s": 500.0,
+        "plain_cold_mb_s": 140.0,
+        "shard_1_worker_mb_s": 60.0,
+        "shard_2_workers_mb_s": 90.0,
+        "shard_2_workers_cold_mb_s": 70.0,
+        "ratio_shard_to_plain_warm": 0.18,
+        "ratio_shard_to_plain_cold": 0.5,
+        "speedup_1_to_2_workers": 1.5,
+        "loader_batches_s": 1000.0,
+        "train_step_s": 0.1,
+        "loader_over_training": 100.0,
+    },
+    "workload": {
+        "model": "small",
+        "checkpoint_every": 10,
+        "peak_flops_per_s": 3e11,
+        "minimal_tokens_per_s": 2000.0,
+        "runs": {
+            "cold_no_ckpt": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 5.0},
+            "ckpt": {"tokens_per_s": 1980.0, "flops_per_token": 8e7, "compile_s": 0.5},
+            "warm_cache": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 0.5},
+        },
+        "figures": {
+            "model_flops_over_matmul_peak": 8e7 * 2000.0 / 3e11,
+            "workload_over_minimal_loop": 1.0,
+            "async_ckpt_over_none": 0.99,
+            "warm_compile_over_cold": 0.1,
+        },
+    },
+    "goodput": {
+        "sigterm_every_s": 120.0,
+        "attempts": 2,
+        "wall_s": 200.0,
+        "goodput": 0.92,
+        "seconds": {"productive": 184.0},
+    },
+    "pipeline": {"steps": 150, "flow_s": 15.0, "direct_s": 14.0, "flow_over_direct": 1.071},
+    "sweep": {
+        "trials": 6,
+        "parallel": 2,
+        "wall_s": 70.0,
+        "ideal_s": 60.0,
+        "wall_over_ideal": 1.167,
+    },
+}
+
+
+def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
+    rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
+    assert len(rows) == 11
+    by_figure = {row["figure"]: row for row in rows}
+    flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
+    assert flops["value"] == 0.533 and flops["met"] is False
+    assert flops["numerator"]["measured"] == 160.0 and flops["reference"]["measured"] == 300.0
+    # "<=" goals are met from below, ">=" goals from above; exactly the goal meets it.
+    assert by_figure["resume compile time, warm cache ÷ cold"]["met"] is True
+    sweep = next(r for r in rows if r["figure"].startswith("sweep wall"))
+    assert sweep["met"] is False
+    cold = by_figure["sharding ÷ plain read-and-write (cold cache)"]
+    assert cold["value"] == 0.5 and cold["met"] is True
+    loader = by_figure["loader ÷ training consumption (demo config)"]
+    assert loader["reference"]["measured"] == 10.0  # batches/s, from the step time
+
+
+def test_markdown_has_one_line_per_row_and_names_failures():
+    rows = run_all.ROWS["pipeline"](RESULTS["pipeline"])
+    report = {
+        "date": "2026-11-22",
+        "commit": "abc1234",
+        "machine": "2 cores",
+        "wall_s": 60.0,
+        "loadavg": [0.5, 1.0],
+        "rows": rows,
+        "failed": {"sweep": "Traceback: boom"},
+    }
+    text = run_all.markdown(report)
+    assert "| pipeline flow ÷ its stages called directly (150 tiny steps) | **1.071** |" in text
+    assert "15.0 (flow wall s) | 14.0 (sum of stages s) | <= 1.10 | yes |" in text
+    assert "**sweep failed to run:**" in text and "boom" in text
+    json.dumps(report)  # the JSON report holds the same structure
