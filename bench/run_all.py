@@ -36,7 +36,7 @@ SUITE: dict[str, list[str]] = {
     "workload": ["--steps", "30"],
     "goodput": ["--every", "120", "--steps", "1200"],
     "pipeline": ["--steps", "150", "--repeats", "1"],
-    "sweep": ["--trials", "6", "--parallel", "2"],
+    "sweep": ["--trials", "6", "--parallel", "2", "--steps", "100"],
 }
 
 
@@ -156,7 +156,8 @@ def sweep_rows(r: dict) -> list[dict]:
     """Rows of bench/sweep.py."""
     return [
         _row(
-            f"sweep wall ÷ ideal ({r['trials']} trials, {r['parallel']} at a time)",
+            f"sweep wall ÷ ideal ({r['trials']} trials of {r.get('steps_per_trial', '?')} "
+            f"steps, {r['parallel']} at a time, {r.get('api', 'temporary')} API)",
             r["wall_over_ideal"],
             ("sweep wall s", r["wall_s"]),
             ("chip-time ÷ parallelism s", r["ideal_s"]),

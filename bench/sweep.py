@@ -1,6 +1,10 @@
 """Benchmark of the sweep's scheduling: 8 tiny trials, 2 at a time, wall time ÷ ideal.
 
-    .venv/bin/python bench/sweep.py [--trials 8] [--parallel 2] [--admission window] [--out F]
+    .venv/bin/python bench/sweep.py [--trials 8] [--parallel 2] [--steps 100]
+                                    [--admission window] [--out F]
+
+Each trial trains the tiny model for `--steps` (100: about 15 s, alone): a trial of a real
+sweep lasts minutes, and a few-second trial would measure little but admission latency.
 
 The ideal is what a perfect scheduler would take for the same trials: the chip-time the
 trials used (each from admission to release, measured inside this sweep, so it includes
@@ -44,7 +48,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
-def measure(trials: int, parallel: int, admission: str, root: Path, api_url: str | None) -> dict:
+def measure(
+    trials: int, parallel: int, admission: str, root: Path, api_url: str | None, steps: int
+) -> dict:
     """Run the warm-up and the sweep (a temporary Prefect API unless `api_url`), storage
     under `root`."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -56,7 +62,7 @@ def measure(trials: int, parallel: int, admission: str, root: Path, api_url: str
     from tasks.sweep_space import SearchSpace, SweepConfig
     from tests.helpers import tiny_config
 
-    base = tiny_config(root)
+    base = tiny_config(root, f"train.steps={steps}")
     api = (
         temporary_settings({PREFECT_API_URL: api_url})
         if api_url
@@ -64,7 +70,7 @@ def measure(trials: int, parallel: int, admission: str, root: Path, api_url: str
     )
     with api:
         t0 = time.perf_counter()
-        tpu_training_pipeline(config=tiny_config(root, "run_name=warm-up"))
+        tpu_training_pipeline(config=tiny_config(root, "run_name=warm-up", f"train.steps={steps}"))
         alone = time.perf_counter() - t0
         config = SweepConfig(
             base=base,
@@ -84,6 +90,7 @@ def measure(trials: int, parallel: int, admission: str, root: Path, api_url: str
     ideal = max(sum(held) / parallel, max(held))
     return {
         "trials": trials,
+        "steps_per_trial": steps,
         "parallel": parallel,
         "admission": admission,
         "api": api_url or "temporary (SQLite)",
@@ -100,6 +107,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument(
+        "--steps", type=int, default=100, help="training steps per trial (tiny model)"
+    )
     parser.add_argument("--admission", choices=["window", "limit"], default="window")
     parser.add_argument("--out", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the runs' storage root")
@@ -107,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     try:
-        result = measure(args.trials, args.parallel, args.admission, root, args.api_url)
+        result = measure(args.trials, args.parallel, args.admission, root, args.api_url, args.steps)
     finally:
         if args.keep:
             print(f"runs kept in {root}")
