@@ -8,7 +8,8 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
 - restore: reading the checkpoint the attempt resumed from;
 - productive: first step → the last checkpoint the run went on from (or the finish);
 - lost: that checkpoint → the attempt's end (work done again by the next attempt);
-- teardown: the attempt's end → its slice deleted;
+- teardown: the attempt's end → its slice deleted (after a finished run: from its last
+  step, since nothing after it is trained again);
 - idle: whatever no bucket explains (waits between attempts, orchestration).
 
 `attempt_timelines` places those buckets on the clock, attempt by attempt (the report's
@@ -152,7 +153,10 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
                 line.kept_step = _last(evs, "finished", "step")
             kept_end = min(max(first if keep_until is None else keep_until, first), end)
             line.segments.append(Segment("productive", first, kept_end))
-            line.segments.append(Segment("lost", kept_end, end))
+            # After the final step nothing is trained again: the workload's exit and the
+            # orchestrator noticing it hold the slice for nothing, like its deletion.
+            after = "teardown" if "finished" in t else "lost"
+            line.segments.append(Segment(after, kept_end, end))
         if "deleted" in t:
             line.segments.append(Segment("teardown", end, end + max(t["deleted"] - end, 0.0)))
     return timelines

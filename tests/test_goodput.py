@@ -44,6 +44,22 @@ def test_an_uninterrupted_run_is_all_startup_and_work():
     assert result.goodput == pytest.approx(100 / 106)
 
 
+def test_the_wait_after_the_final_step_is_teardown_not_lost():
+    # The orchestrator notices the workload's exit 3 s after its last step and deletes
+    # the slice 1 s later: nothing is trained again, the chips are merely still held.
+    events = [
+        {"time": 0, "attempt": 1, "event": "provision_requested"},
+        {"time": 2, "attempt": 1, "event": "provision_ready"},
+        {"time": 5, "attempt": 1, "event": "first_step", "step": 1, "resumed_from": 0},
+        {"time": 105, "attempt": 1, "event": "finished", "step": 100},
+        {"time": 108, "attempt": 1, "event": "attempt_ended", "outcome": "completed"},
+        {"time": 109, "attempt": 1, "event": "deleted"},
+    ]
+    result = compute_goodput(events)
+    assert result.seconds["lost"] == 0 and result.seconds["teardown"] == 3 + 1
+    assert result.seconds["productive"] == 100
+
+
 def test_no_events_is_no_goodput():
     result = compute_goodput([])
     assert result.goodput is None and set(result.seconds) == set(BUCKETS)
