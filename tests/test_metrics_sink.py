@@ -203,3 +203,16 @@ def test_build_sink_and_waiting_for_another_process(tmp_path):
         sink.land(run_row(), steps(), [])  # waits for the other process's lock to go
     assert p.returncode == 0
     assert counts(sink) == (1, 5, 0)
+
+
+def test_threads_landing_into_one_new_file_take_turns(tmp_path):
+    # Sweep trials run as threads of one process and land into one file; their table
+    # DDL used to meet in DuckDB as a "write-write conflict" and fail a trial's landing.
+    from concurrent.futures import ThreadPoolExecutor
+
+    for attempt in range(3):
+        sink = DuckDBSink(tmp_path / f"m{attempt}.duckdb")  # a new file: every thread's DDL
+        names = [f"t{i}" for i in range(6)]
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(lambda n, s=sink: s.land(run_row(n), steps(n), evals(n)), names))
+        assert counts(sink) == (6, 30, 6)

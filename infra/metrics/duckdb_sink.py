@@ -3,13 +3,17 @@
 
 A connection is opened per operation and closed after it: DuckDB lets one process at a
 time hold a file open for writing, so sweep trials in several processes take turns, and
-a connection attempt that meets another process's lock is retried for a while.
+a connection attempt that meets another process's lock is retried for a while. Within one
+process, connections to a file share one database, where two threads' concurrent DDL
+(the tables' `CREATE`/`ADD COLUMN IF NOT EXISTS`) fails with a write-write conflict: so
+operations on a file also take turns between threads (sweep trials run as threads).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,6 +46,17 @@ def create_table_sql(model: type[TableRow]) -> str:
     columns = [f"{c.name} {c.type}{'' if c.nullable else ' NOT NULL'}" for c in table_schema(model)]
     columns.append(f"PRIMARY KEY ({', '.join(model.primary_key)})")
     return f"CREATE TABLE IF NOT EXISTS {model.table} (\n  " + ",\n  ".join(columns) + "\n)"
+
+
+_FILE_LOCKS: dict[str, threading.Lock] = {}
+_FILE_LOCKS_GUARD = threading.Lock()
+
+
+def _file_lock(path: Path) -> threading.Lock:
+    """The lock this process's threads take turns on for the database at `path`."""
+    key = os.path.realpath(path)
+    with _FILE_LOCKS_GUARD:
+        return _FILE_LOCKS.setdefault(key, threading.Lock())
 
 
 @contextlib.contextmanager
@@ -169,6 +184,11 @@ class DuckDBSink:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        with _file_lock(self.path), self._open() as con:
+            yield con
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[duckdb.DuckDBPyConnection]:
         deadline = time.monotonic() + self.lock_timeout_s
         delay = 0.02
         while True:
