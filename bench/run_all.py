@@ -33,7 +33,7 @@ REPO = BENCH.parent
 # name -> the arguments it runs with in the suite.
 SUITE: dict[str, list[str]] = {
     "shard": ["--repeats", "2"],
-    "workload": ["--steps", "30"],
+    "workload": ["--steps", "40"],
     "goodput": ["--every", "120", "--steps", "1200"],
     "pipeline": ["--steps", "150", "--repeats", "1"],
     "sweep": ["--trials", "6", "--parallel", "2", "--steps", "100"],
