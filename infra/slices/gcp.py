@@ -21,7 +21,6 @@ and `status` reports TERMINATED with that code once every worker has one.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -30,9 +29,7 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 from google.api_core import retry as gretry
-from google.api_core.future.polling import POLLING_PREDICATE
 from google.cloud import tpu_v2
-from google.protobuf import duration_pb2
 
 from infra.slices.base import (
     ProvisioningError,
@@ -43,48 +40,24 @@ from infra.slices.base import (
     validate_labels,
     validate_name,
 )
-from infra.slices.gcp_node import (
-    MD_EXIT_URI,
-    MD_HOSTS,
-    TpuSettings,
-    build_node,
-    protocol_state,
+from infra.slices.gcp_api import (
+    CREATE_RETRY,
+    CapacityError,
+    TpuPermissionError,
+    call,
+    exit_code,
+    permission_error,
+    spot_request,
+    wait_op,
 )
+from infra.slices.gcp_node import TpuSettings, build_node, protocol_state
+
+__all__ = ["CapacityError", "GcpSliceProvider", "TpuPermissionError"]
 
 log = logging.getLogger(__name__)
 
 LAUNCH_LABEL = "launch"
 _QR = tpu_v2.QueuedResourceState.State
-# Transient failures of a single call; retried by google-api-core with backoff. 429 (rate
-# limit) is transient for reads and deletes; for creates it means quota, handled apart.
-TRANSIENT = gretry.Retry(
-    predicate=gretry.if_exception_type(
-        gexc.ServiceUnavailable,
-        gexc.InternalServerError,
-        gexc.BadGateway,
-        gexc.GatewayTimeout,
-        gexc.TooManyRequests,
-    ),
-    initial=1.0,
-    maximum=30.0,
-    timeout=300.0,
-)
-# A create is keyed by its node id, so retrying it cannot duplicate anything; 429 is not
-# in this list because it means quota, which the provisioning loop backs off from.
-CREATE_RETRY = gretry.Retry(
-    predicate=gretry.if_exception_type(gexc.ServiceUnavailable, gexc.InternalServerError),
-    initial=1.0,
-    maximum=30.0,
-    timeout=300.0,
-)
-
-
-class TpuPermissionError(SliceError):
-    """The TPU API refused a call for lack of permission: not worth retrying."""
-
-
-class CapacityError(ProvisioningError):
-    """No zone had quota or capacity for the slice within the attempts allowed."""
 
 
 class GcpSliceProvider:
@@ -183,7 +156,7 @@ class GcpSliceProvider:
         _, node = found
         state, labels = SliceState(protocol_state(node.state)), dict(node.labels)
         if state is SliceState.READY:
-            code = self._exit_code(node)
+            code = exit_code(self.storage, node)
             if code is not None:
                 return SliceStatus(name, SliceState.TERMINATED, code, labels)
         return SliceStatus(name, state, None, labels)
@@ -260,17 +233,7 @@ class GcpSliceProvider:
         With `adopt`, the request already exists (ours) and is only waited for.
         """
         timeout = self.settings.queue_timeout_s
-        request = tpu_v2.QueuedResource(
-            tpu=tpu_v2.QueuedResource.Tpu(
-                node_spec=[
-                    tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node_id=name, node=node)
-                ]
-            ),
-            spot=tpu_v2.QueuedResource.Spot(),
-            queueing_policy=tpu_v2.QueuedResource.QueueingPolicy(
-                valid_until_duration=duration_pb2.Duration(seconds=int(timeout))
-            ),
-        )
+        request = spot_request(parent, name, node, timeout)
         zone = parent.rsplit("/", 1)[-1]
         if not adopt:
             op = self.tpu.create_queued_resource(
@@ -320,15 +283,7 @@ class GcpSliceProvider:
             self._sleep(self.settings.poll_s)
 
     def _wait_op(self, op: Any) -> Any:
-        """The operation's result, polled every poll_s; its error raised as an API error."""
-        polling = gretry.Retry(
-            predicate=POLLING_PREDICATE,
-            initial=self.settings.poll_s,
-            maximum=max(self.settings.poll_s, 30.0),
-            multiplier=1.5,
-            timeout=self.settings.provision_timeout_s,
-        )
-        return op.result(polling=polling)
+        return wait_op(op, self.settings.poll_s, self.settings.provision_timeout_s)
 
     # -- lookups and deletes -----------------------------------------------------------
 
@@ -370,12 +325,12 @@ class GcpSliceProvider:
         """Cancel the queued request (force: with its node) and delete the node in `zone`."""
         parent, deleted = self._parent(zone), False
         qr_name, node_name = f"{parent}/queuedResources/{name}", f"{parent}/nodes/{name}"
-        for call, kwargs in (
+        for method, kwargs in (
             (self.tpu.delete_queued_resource, {"request": {"name": qr_name, "force": True}}),
             (self.tpu.delete_node, {"name": node_name}),
         ):
             try:
-                op = self._call(call, **kwargs)
+                op = self._call(method, **kwargs)
             except gexc.NotFound:
                 continue
             deleted = True
@@ -384,32 +339,12 @@ class GcpSliceProvider:
                 self._wait_op(op)
         return deleted
 
-    def _exit_code(self, node: tpu_v2.Node) -> int | None:
-        """The workload's exit code once every worker left a record (or one failed)."""
-        uri = node.metadata.get(MD_EXIT_URI)
-        if not uri or self.storage is None:
-            return None
-        bucket, _, prefix = uri.removeprefix("gs://").partition("/")
-        records = {}
-        blobs = self._call(self.storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/")
-        for blob in blobs:
-            if blob.name.endswith(".json"):
-                record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
-                records[int(record["worker"])] = int(record["exit_code"])
-        failed = [code for _, code in sorted(records.items()) if code != 0]
-        if failed:
-            return failed[0]  # one dead worker stalls the rest in their collectives
-        return 0 if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
-
     # -- plumbing ----------------------------------------------------------------------
 
     def _parent(self, zone: str) -> str:
         return f"projects/{self.settings.project}/locations/{zone}"
 
-    @staticmethod
-    def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("retry", TRANSIENT)
-        return fn(*args, **kwargs)
+    _call = staticmethod(call)
 
     @contextlib.contextmanager
     def _denied(self, what: str) -> Iterator[None]:
@@ -417,12 +352,4 @@ class GcpSliceProvider:
         try:
             yield
         except gexc.Forbidden as e:  # PermissionDenied, or the API not enabled
-            sa = self.settings.service_account
-            role = "roles/tpu.admin" + (
-                f" and roles/iam.serviceAccountUser on {sa}" if sa and what == "create" else ""
-            )
-            raise TpuPermissionError(
-                f"the Cloud TPU API (tpu.googleapis.com) refused to {what} TPUs in project "
-                f"{self.settings.project} ({', '.join(self.settings.zones)}): {e.message}. "
-                f"Enable the API and grant the orchestrator's identity {role} (docs/gcp.md)"
-            ) from None
+            raise permission_error(what, self.settings, e) from None

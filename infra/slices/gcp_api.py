@@ -1,0 +1,115 @@
+"""Plumbing of the Cloud TPU provider (infra/slices/gcp.py): retry policies, errors, the
+queued-resource request, long-running operations and the workers' exit records in GCS.
+
+Kept apart so the provider's file reads as the slice life cycle it implements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.api_core import retry as gretry
+from google.api_core.future.polling import POLLING_PREDICATE
+from google.cloud import tpu_v2
+from google.protobuf import duration_pb2
+
+from infra.slices.base import ProvisioningError, SliceError
+from infra.slices.gcp_node import MD_EXIT_URI, MD_HOSTS, TpuSettings
+
+# Transient failures of a single call; retried by google-api-core with backoff. 429 (rate
+# limit) is transient for reads and deletes; for creates it means quota, handled apart.
+TRANSIENT = gretry.Retry(
+    predicate=gretry.if_exception_type(
+        gexc.ServiceUnavailable,
+        gexc.InternalServerError,
+        gexc.BadGateway,
+        gexc.GatewayTimeout,
+        gexc.TooManyRequests,
+    ),
+    initial=1.0,
+    maximum=30.0,
+    timeout=300.0,
+)
+# A create is keyed by its node id, so retrying it cannot duplicate anything; 429 is not
+# in this list because it means quota, which the provisioning loop backs off from.
+CREATE_RETRY = gretry.Retry(
+    predicate=gretry.if_exception_type(gexc.ServiceUnavailable, gexc.InternalServerError),
+    initial=1.0,
+    maximum=30.0,
+    timeout=300.0,
+)
+
+
+class TpuPermissionError(SliceError):
+    """The TPU API refused a call for lack of permission: not worth retrying."""
+
+
+class CapacityError(ProvisioningError):
+    """No zone had quota or capacity for the slice within the attempts allowed."""
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with the TRANSIENT retry unless the caller gave one."""
+    kwargs.setdefault("retry", TRANSIENT)
+    return fn(*args, **kwargs)
+
+
+def wait_op(op: Any, poll_s: float, timeout_s: float) -> Any:
+    """A long-running operation's result, polled every `poll_s` (backing off to 30 s);
+    its error is raised as an API error."""
+    polling = gretry.Retry(
+        predicate=POLLING_PREDICATE,
+        initial=poll_s,
+        maximum=max(poll_s, 30.0),
+        multiplier=1.5,
+        timeout=timeout_s,
+    )
+    return op.result(polling=polling)
+
+
+def spot_request(parent: str, name: str, node: tpu_v2.Node, timeout_s: float):
+    """A queued resource asking for `node` as spot capacity, valid for `timeout_s`: the
+    API drops it by itself after that, even if the orchestrator died meanwhile."""
+    return tpu_v2.QueuedResource(
+        tpu=tpu_v2.QueuedResource.Tpu(
+            node_spec=[tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node_id=name, node=node)]
+        ),
+        spot=tpu_v2.QueuedResource.Spot(),
+        queueing_policy=tpu_v2.QueuedResource.QueueingPolicy(
+            valid_until_duration=duration_pb2.Duration(seconds=int(timeout_s))
+        ),
+    )
+
+
+def exit_code(storage: Any, node: tpu_v2.Node) -> int | None:
+    """The workload's exit code once every worker left an exit record in GCS (or one
+    failed); None while some are still running, or without a storage client."""
+    uri = node.metadata.get(MD_EXIT_URI)
+    if not uri or storage is None:
+        return None
+    bucket, _, prefix = uri.removeprefix("gs://").partition("/")
+    records = {}
+    for blob in call(storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/"):
+        if blob.name.endswith(".json"):
+            record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
+            records[int(record["worker"])] = int(record["exit_code"])
+    failed = [code for _, code in sorted(records.items()) if code != 0]
+    if failed:
+        return failed[0]  # one dead worker stalls the rest in their collectives
+    return 0 if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
+
+
+def permission_error(what: str, settings: TpuSettings, exc: gexc.Forbidden) -> TpuPermissionError:
+    """A 403 turned into an error that names the API and the role to grant."""
+    sa = settings.service_account
+    role = "roles/tpu.admin" + (
+        f" and roles/iam.serviceAccountUser on {sa}" if sa and what == "create" else ""
+    )
+    return TpuPermissionError(
+        f"the Cloud TPU API (tpu.googleapis.com) refused to {what} TPUs in project "
+        f"{settings.project} ({', '.join(settings.zones)}): {exc.message}. "
+        f"Enable the API and grant the orchestrator's identity {role} (docs/gcp.md)"
+    )
