@@ -13,6 +13,7 @@ import os
 import sys
 
 from flows import report_cli, shard_cli
+from flows.cli_options import add_overrides
 from workloads.config_file import ConfigError, load_config
 
 
@@ -32,14 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("--config", required=True, help="pipeline config YAML")
-        cmd.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config field, e.g. --set train.steps=200 (repeatable)",
-        )
+        add_overrides(cmd, "train.steps=200")
     shard_cli.add_parser(sub)
     report_cli.add_parser(sub)
     return parser

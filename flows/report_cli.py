@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import Any
 
+from flows.cli_options import add_overrides
 from workloads.config_file import ConfigError, load_config
 
 DEFAULT_ROOT = ".tpupipe"  # StorageConfig's default storage root
@@ -27,14 +28,7 @@ def add_parser(sub: Any) -> None:
     cmd = sub.add_parser("report", help="print a run's timeline and cost, and plot it")
     cmd.add_argument("run_id", metavar="RUN_ID", help="the run's id (its run_name)")
     cmd.add_argument("--config", help="pipeline config YAML: its storage.root and cost section")
-    cmd.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field of --config, e.g. --set cost.region=us-east5 (repeatable)",
-    )
+    add_overrides(cmd, "cost.region=us-east5", of="a field of --config")
     cmd.add_argument(
         "--root", help=f"storage root holding runs/ (default: --config's, else {DEFAULT_ROOT})"
     )
