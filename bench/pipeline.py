@@ -11,7 +11,8 @@ root, so each shards, compiles cold, trains, verifies, evaluates and lands the s
   create the local slice and watch the workload to its end, delete it, verify the
   checkpoint, evaluate it, land the rows in DuckDB and draw the loss curve.
 
-The two alternate `--repeats` times (direct first) and the best of each is kept, so a busy
+Each side runs in its own fresh process (neither inherits the other's imports or caches),
+`--repeats` times each in alternating order, and the best of each is kept, so a busy
 neighbour hurts both alike. What the ratio holds: task and flow runs, state writes to the
 API, the progress and summary artifacts. Goal: ≤ 1.10.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -100,35 +102,58 @@ def direct(config) -> dict[str, float]:
     return seconds
 
 
+def side(name: str, root: Path, steps: int) -> dict:
+    """Child process: run one side from an empty `root`; its seconds (and stages)."""
+    if name == "direct":
+        stages = direct(config_for(root, steps))
+        return {"seconds": sum(stages.values()), "stages": stages}
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import tpu_training_pipeline
+
+    with prefect_test_harness(server_startup_timeout=120):  # started before the clock
+        start = time.perf_counter()
+        tpu_training_pipeline(config=config_for(root, steps))
+        return {"seconds": time.perf_counter() - start}
+
+
+def _run_side(name: str, root: Path, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--side", name, "--root", str(root), "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{name} side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, help="also write the figures here as JSON")
+    parser.add_argument("--side", choices=["direct", "flow"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side:
+        print(json.dumps(side(args.side, args.root, args.steps)))
+        return 0
 
-    from prefect.testing.utilities import prefect_test_harness
-
-    from flows.pipeline import tpu_training_pipeline
-
-    flow_s: list[float] = []
-    direct_runs: list[dict[str, float]] = []
-    with prefect_test_harness(server_startup_timeout=120), tempfile.TemporaryDirectory() as tmp:
+    runs: dict[str, list[dict]] = {"direct": [], "flow": []}
+    with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            direct_runs.append(direct(config_for(Path(tmp) / f"direct-{i}", args.steps)))
-            start = time.perf_counter()
-            tpu_training_pipeline(config=config_for(Path(tmp) / f"flow-{i}", args.steps))
-            flow_s.append(time.perf_counter() - start)
-    best_direct = min(direct_runs, key=lambda s: sum(s.values()))
-    direct_s = sum(best_direct.values())
+            # Each side in a fresh process, so neither inherits the other's imports and
+            # caches; the order alternates, so neither always runs second either.
+            for name in ("direct", "flow") if i % 2 == 0 else ("flow", "direct"):
+                runs[name].append(_run_side(name, Path(tmp) / f"{name}-{i}", args.steps))
+    best_direct = min(runs["direct"], key=lambda r: r["seconds"])
+    flow_s = min(r["seconds"] for r in runs["flow"])
     figures = {
         "steps": args.steps,
-        "flow_s": round(min(flow_s), 2),
-        "direct_s": round(direct_s, 2),
-        "direct_stages_s": {k: round(v, 2) for k, v in best_direct.items()},
-        "flow_over_direct": round(min(flow_s) / direct_s, 3),
-        "flow_s_per_repeat": [round(x, 2) for x in flow_s],
-        "direct_s_per_repeat": [round(sum(s.values()), 2) for s in direct_runs],
+        "flow_s": round(flow_s, 2),
+        "direct_s": round(best_direct["seconds"], 2),
+        "direct_stages_s": {k: round(v, 2) for k, v in best_direct["stages"].items()},
+        "flow_over_direct": round(flow_s / best_direct["seconds"], 3),
+        "flow_s_per_repeat": [round(r["seconds"], 2) for r in runs["flow"]],
+        "direct_s_per_repeat": [round(r["seconds"], 2) for r in runs["direct"]],
     }
     for key, value in figures.items():
         print(f"{key:>20}: {value}")

@@ -35,7 +35,7 @@ SUITE: dict[str, list[str]] = {
     "shard": ["--repeats", "2"],
     "workload": ["--steps", "40"],
     "goodput": ["--every", "120", "--steps", "1200"],
-    "pipeline": ["--steps", "150", "--repeats", "1"],
+    "pipeline": ["--steps", "150", "--repeats", "2"],
     "sweep": ["--trials", "6", "--parallel", "2", "--steps", "100"],
 }
 
