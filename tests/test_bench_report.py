@@ -27,12 +27,15 @@ RESULTS = {
         "loader_batches_s": 1000.0,
         "train_step_s": 0.1,
         "loader_over_training": 100.0,
+        "writer_only_mb_s": 175.0,
+        "writer_only_over_plain_warm": 0.35,
     },
     "workload": {
         "model": "small",
         "checkpoint_every": 10,
         "peak_flops_per_s": 3e11,
         "minimal_tokens_per_s": 2000.0,
+        "textbook": {"tokens_per_s": 1800.0, "flops_per_s": 1.8e11},
         "runs": {
             "cold_no_ckpt": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 5.0},
             "ckpt": {"tokens_per_s": 1980.0, "flops_per_token": 8e7, "compile_s": 0.5},
@@ -43,6 +46,7 @@ RESULTS = {
             "workload_over_minimal_loop": 1.0,
             "async_ckpt_over_none": 0.99,
             "warm_compile_over_cold": 0.1,
+            "textbook_flops_over_matmul_peak": 0.6,
         },
     },
     "goodput": {
@@ -65,7 +69,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 11
+    assert len(rows) == 13
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -78,6 +82,23 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     assert cold["value"] == 0.5 and cold["met"] is True
     loader = by_figure["loader ÷ training consumption (demo config)"]
     assert loader["reference"]["measured"] == 10.0  # batches/s, from the step time
+    # Reference rows carry no goal and are neither met nor missed.
+    textbook = by_figure["textbook Flax NNX decoder, same dimensions ÷ matmul peak"]
+    assert textbook["value"] == 0.6 and textbook["goal"] is None and textbook["met"] is None
+    assert textbook["numerator"]["measured"] == 180.0
+    writer = by_figure["ArrayRecord writer alone ÷ plain read-and-write (warm cache)"]
+    assert writer["value"] == 0.35 and writer["met"] is None
+
+
+def test_reference_rows_read_as_references_in_markdown():
+    rows = run_all.ROWS["workload"](RESULTS["workload"])
+    report = {"date": "d", "commit": "c", "machine": "m", "wall_s": 1.0, "loadavg": [0, 0]}
+    text = run_all.markdown({**report, "rows": rows, "failed": {}})
+    assert "(2048² f32 matmul GFLOP/s) | reference | — |" in text
+    # A result written before the textbook reference existed still gives its rows.
+    old = {**RESULTS["workload"]}
+    old.pop("textbook")
+    assert len(run_all.ROWS["workload"](old)) == 4
 
 
 def test_markdown_has_one_line_per_row_and_names_failures():
