@@ -85,6 +85,18 @@ def shard_rows(r: dict) -> list[dict]:
             ("1 worker, MB/s", r["shard_1_worker_mb_s"]),
             ">= 1.7",
         ),
+        *(
+            [
+                _row(
+                    "ideal 1 → 2 worker speed-up on these two cores (1 worker pinned to each)",
+                    r["ideal_speedup_1_to_2_on_these_cores"],
+                    ("slower core, s", max(r["pinned_1_worker_s_per_core"])),
+                    ("faster core, s", min(r["pinned_1_worker_s_per_core"])),
+                )
+            ]
+            if r.get("ideal_speedup_1_to_2_on_these_cores")
+            else []
+        ),
         _row(
             "loader ÷ training consumption (demo config)",
             r["loader_over_training"],

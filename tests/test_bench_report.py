@@ -29,6 +29,8 @@ RESULTS = {
         "loader_over_training": 100.0,
         "writer_only_mb_s": 175.0,
         "writer_only_over_plain_warm": 0.35,
+        "pinned_1_worker_s_per_core": [0.55, 0.4],
+        "ideal_speedup_1_to_2_on_these_cores": 1.727,
     },
     "workload": {
         "model": "small",
@@ -69,7 +71,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 13
+    assert len(rows) == 14
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -88,6 +90,8 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     assert textbook["numerator"]["measured"] == 180.0
     writer = by_figure["ArrayRecord writer alone ÷ plain read-and-write (warm cache)"]
     assert writer["value"] == 0.35 and writer["met"] is None
+    ideal = next(r for r in rows if r["figure"].startswith("ideal 1 → 2 worker speed-up"))
+    assert ideal["numerator"]["measured"] == 0.55 and ideal["reference"]["measured"] == 0.4
 
 
 def test_reference_rows_read_as_references_in_markdown():
