@@ -300,3 +300,14 @@ def test_stdlib_source(tmp_path):
     total = m["splits"]["train"]["bytes"] + m["splits"]["eval"]["bytes"]
     assert 1_000_000 <= total < 1_000_000 + max(f.size for f in files)
     assert m["splits"]["eval"]["records"] >= 1 and m["splits"]["train"]["records"] > 1000
+
+
+def test_auto_workers_shard_small_corpora_in_this_process():
+    def files(total: int) -> list[data.SourceFile]:
+        return [data.SourceFile(f"/c/{i}", str(i), total // 4, 0) for i in range(4)]
+
+    auto = DatasetConfig(sources=["x"], workers=0)
+    # Below the threshold a worker pool's start costs more than a second core gives back.
+    assert data._workers(auto, files(data.AUTO_PARALLEL_BYTES - 4)) == 1
+    assert data._workers(auto, files(data.AUTO_PARALLEL_BYTES)) == (os.cpu_count() or 1)
+    assert data._workers(DatasetConfig(sources=["x"], workers=3), files(100)) == 3

@@ -19,7 +19,7 @@ from tests.test_data import read_records
 from workloads import data, input
 from workloads.config import DatasetConfig
 from workloads.data import DatasetError
-from workloads.documents import iter_documents
+from workloads.documents import ReadOptions, iter_documents
 from workloads.sources import SourceFile
 
 TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (3 + i % 5) for i in range(40)]
@@ -32,7 +32,7 @@ def cfg(path: Path, **kw) -> DatasetConfig:
 def documents(path: Path, **kw) -> list[bytes]:
     src = SourceFile(str(path), path.name, path.stat().st_size, path.stat().st_mtime_ns)
     with open(path, "rb") as fh:
-        return list(iter_documents(fh, src, cfg(path, **kw)))
+        return list(iter_documents(fh, src, ReadOptions.of(cfg(path, **kw))))
 
 
 def all_tokens(result: data.ShardResult) -> dict[str, np.ndarray]:

@@ -24,10 +24,8 @@ from workloads.config_infra import (  # noqa: F401  (re-exported: the config's o
     tpu_topology,
 )
 from workloads.config_resilience import ResilienceConfig
+from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-exported
 
-# Byte-level tokens 0..255 plus one end-of-document token.
-BYTE_VOCAB_SIZE = 257
-EOD_TOKEN = 256
 # The model's embedding table is padded to a multiple of this, so it shards evenly.
 VOCAB_PAD_MULTIPLE = 128
 
@@ -96,7 +94,10 @@ class DatasetConfig(_Strict):
         ge=0,
         le=256,
         exclude=True,
-        description="Worker processes for sharding; 0: one per CPU. Does not change the bytes.",
+        description=(
+            "Worker processes for sharding; 0: one per CPU, or none beyond the calling "
+            "process for under 64 MiB of sources. Does not change the bytes."
+        ),
     )
 
     @field_validator("tokenizer")

@@ -5,7 +5,7 @@ the file, plus the line (JSONL, text lines), the row (Parquet) or the byte offse
 UTF-8). With `errors="strict"` invalid UTF-8 is an error; with `errors="replace"` each bad
 sequence becomes U+FFFD, as Python's `bytes.decode(errors="replace")` does.
 
-Formats (`DatasetConfig.format`):
+Formats (`ReadOptions.format`, from `DatasetConfig`):
     text: the whole file is one document (`text_unit="file"`), or each line that is not
         blank is one (`text_unit="line"`; the line break is not part of it).
     jsonl: one JSON object per line, its text in `text_field`; blank lines are skipped.
@@ -21,22 +21,40 @@ import gzip
 import json
 import re
 from collections.abc import Iterator
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, BinaryIO
 
-from workloads.config import DatasetConfig
 from workloads.sources import DatasetError, SourceFile
+
+if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
+    from workloads.config import DatasetConfig
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def iter_documents(fh: BinaryIO, src: SourceFile, cfg: DatasetConfig) -> Iterator[bytes]:
+@dataclass(frozen=True)
+class ReadOptions:
+    """How documents are read out of a source file: the `DatasetConfig` fields of that name."""
+
+    format: str = "text"
+    text_unit: str = "file"
+    text_field: str = "text"
+    errors: str = "strict"
+
+    @classmethod
+    def of(cls, cfg: DatasetConfig) -> ReadOptions:
+        """The read options of a dataset config."""
+        return cls(cfg.format, cfg.text_unit, cfg.text_field, cfg.errors)
+
+
+def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator[bytes]:
     """Yield every document of one open source file, in file order.
 
     Args:
         fh: The file, opened in binary mode at offset 0.
         src: Which file it is (for messages).
-        cfg: `format`, `text_unit`, `text_field` and `errors`.
+        opts: `format`, `text_unit`, `text_field` and `errors`.
 
     Yields:
         Each document's text, valid UTF-8.
@@ -44,20 +62,20 @@ def iter_documents(fh: BinaryIO, src: SourceFile, cfg: DatasetConfig) -> Iterato
     Raises:
         DatasetError: naming the file and line, row or byte offset at fault.
     """
-    if cfg.format == "parquet":
-        yield from _parquet(fh, src, cfg)
+    if opts.format == "parquet":
+        yield from _parquet(fh, src, opts)
         return
     gz = fh.read(2) == _GZIP_MAGIC
     fh.seek(0)
     stream = gzip.GzipFile(fileobj=fh, mode="rb") if gz else fh
     where = "of the decompressed file" if gz else "of the file"
     try:
-        if cfg.format == "text" and cfg.text_unit == "file":
-            yield utf8(stream.read(), src.uri, 0, cfg.errors, where)
-        elif cfg.format == "text":
-            yield from _lines(stream, src, cfg, where)
+        if opts.format == "text" and opts.text_unit == "file":
+            yield utf8(stream.read(), src.uri, 0, opts.errors, where)
+        elif opts.format == "text":
+            yield from _lines(stream, src, opts, where)
         else:
-            yield from _jsonl(stream, src, cfg, where)
+            yield from _jsonl(stream, src, opts, where)
     except (OSError, EOFError) as exc:  # a truncated or corrupt gzip stream, a failed read
         raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
 
@@ -98,13 +116,13 @@ def _numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
         offset += len(raw)
 
 
-def _lines(stream: BinaryIO, src: SourceFile, cfg: DatasetConfig, where: str) -> Iterator[bytes]:
+def _lines(stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str) -> Iterator[bytes]:
     for number, offset, line in _numbered_lines(stream):
         if line.strip():
             yield utf8(line, f"{src.uri}:{number}", offset, cfg.errors, where)
 
 
-def _jsonl(stream: BinaryIO, src: SourceFile, cfg: DatasetConfig, where: str) -> Iterator[bytes]:
+def _jsonl(stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str) -> Iterator[bytes]:
     field = cfg.text_field
     for number, offset, line in _numbered_lines(stream):
         if not line.strip():
@@ -148,7 +166,7 @@ def _json_type(value: object) -> str:
     return names.get(type(value), "a number")
 
 
-def _parquet(fh: BinaryIO, src: SourceFile, cfg: DatasetConfig) -> Iterator[bytes]:
+def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]:
     import pyarrow as pa  # only Parquet sources pay for the import
     import pyarrow.parquet as pq
 

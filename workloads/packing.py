@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from workloads.config import DatasetConfig
-from workloads.documents import iter_documents
+from workloads.documents import ReadOptions, iter_documents
 from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256
 from workloads.sources import SourceFile, SourceStore, open_source
 from workloads.tokens import TokenizerSpec, encode
@@ -48,7 +47,8 @@ class UnitJob:
 
     index: int
     files: tuple[SourceFile, ...]
-    cfg: DatasetConfig
+    read: ReadOptions
+    eval_fraction: float
     tokenizer: TokenizerSpec
     work_dir: str
     store: SourceStore | None = None
@@ -94,7 +94,7 @@ def tokenize_unit(job: UnitJob) -> dict:
     Raises:
         DatasetError: from reading or decoding a source, naming the place.
     """
-    multi = not (job.cfg.format == "text" and job.cfg.text_unit == "file")
+    multi = not (job.read.format == "text" and job.read.text_unit == "file")
     fields = ("tokens", "documents", "bytes", "last_tokens", "last_bytes")
     stats = {s: dict.fromkeys(fields, 0) for s in SPLITS}
     pending: dict[str, list[bytes]] = {s: [] for s in SPLITS}
@@ -113,11 +113,11 @@ def tokenize_unit(job: UnitJob) -> dict:
     try:
         for src in job.files:
             with open_source(src, job.store) as fh:
-                for n, doc in enumerate(iter_documents(fh, src, job.cfg)):
+                for n, doc in enumerate(iter_documents(fh, src, job.read)):
                     # A multi-document file's documents are split one by one, so even a
                     # single large JSONL file yields both splits.
                     key = f"{src.key}#{n}" if multi else src.key
-                    split = "eval" if in_eval(key, job.cfg.eval_fraction) else "train"
+                    split = "eval" if in_eval(key, job.eval_fraction) else "train"
                     pending[split].append(doc)
                     pending_bytes[split] += len(doc)
                     stats[split]["documents"] += 1

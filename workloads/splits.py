@@ -9,6 +9,7 @@ written in parallel.
 from __future__ import annotations
 
 from workloads.config import DatasetConfig
+from workloads.documents import ReadOptions
 from workloads.manifest import SPLITS
 from workloads.packing import ShardJob, UnitJob
 from workloads.sources import DatasetError, SourceFile, SourceStore
@@ -38,7 +39,11 @@ def plan_units(
             size = 0
         groups[-1].append(f)
         size += f.size
-    return [UnitJob(i, tuple(g), cfg, tokenizer, work, store) for i, g in enumerate(groups)]
+    read = ReadOptions.of(cfg)
+    return [
+        UnitJob(i, tuple(g), read, cfg.eval_fraction, tokenizer, work, store)
+        for i, g in enumerate(groups)
+    ]
 
 
 def plan_splits(

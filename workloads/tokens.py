@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from workloads.config import BYTE_VOCAB_SIZE, EOD_TOKEN
 from workloads.sources import DatasetError
+from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN
 
 UINT16_VOCAB = 1 << 16
 
