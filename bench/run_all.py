@@ -117,7 +117,11 @@ def workload_rows(r: dict) -> list[dict]:
     """Rows of bench/workload.py."""
     f, runs = r["figures"], r["runs"]
     cold, ckpt, warm = runs["cold_no_ckpt"], runs["ckpt"], runs["warm_cache"]
-    achieved = cold["flops_per_token"] * cold["tokens_per_s"]
+    # Each side's better run where the benchmark ran two (older results: one each).
+    best = r.get("best", {})
+    none_s = best.get("no_ckpt_tokens_per_s", cold["tokens_per_s"])
+    ckpt_s = best.get("ckpt_tokens_per_s", ckpt["tokens_per_s"])
+    achieved = cold["flops_per_token"] * none_s
     return [
         _row(
             f"model FLOP/s ÷ matmul peak ({r['model']} model, f32, 1 device)",
@@ -141,15 +145,15 @@ def workload_rows(r: dict) -> list[dict]:
         _row(
             "workload ÷ minimal Flax NNX loop (tokens/s)",
             f["workload_over_minimal_loop"],
-            ("workload tokens/s", round(cold["tokens_per_s"])),
+            ("workload tokens/s", round(none_s)),
             ("minimal loop tokens/s", round(r["minimal_tokens_per_s"])),
             ">= 0.95",
         ),
         _row(
             f"async checkpoints every {r['checkpoint_every']} steps ÷ none (tokens/s)",
             f["async_ckpt_over_none"],
-            ("with checkpoints, tokens/s", round(ckpt["tokens_per_s"])),
-            ("without, tokens/s", round(cold["tokens_per_s"])),
+            ("with checkpoints, tokens/s", round(ckpt_s)),
+            ("without, tokens/s", round(none_s)),
             ">= 0.97",
         ),
         _row(

@@ -5,6 +5,9 @@
 Each measurement runs in its own process (so in-memory compile caches cannot help), with one
 CPU device, in float32 so the model's FLOP/s compare with a float32 matmul peak:
 
+Runs with and without checkpoints alternate, two of each, and each side counts its better
+run (the peak is the best of five matmuls, the minimal loop the better of two runs):
+
 - model FLOP/s of the workload ÷ the measured matmul peak (goal ≥ 0.80 for `small`);
 - the workload's tokens/s ÷ a minimal Flax NNX loop of the same model (goal ≥ 0.95);
 - tokens/s with async checkpoints every K steps ÷ without (goal ≥ 0.97);
@@ -157,17 +160,31 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root, cache = Path(tmp), Path(tmp) / "compile_cache"
         peak_f = json.loads(_child([*me, "--child", "peak"]))["flops_per_s"]
-        minimal = json.loads(_child([*me, "--child", "minimal"]))["tokens_per_s"]
-        textbook = json.loads(
-            _child([str(REPO / "bench" / "textbook_nnx.py"), "--model", args.model])
+        minimal = max(
+            json.loads(_child([*me, "--child", "minimal"]))["tokens_per_s"] for _ in range(2)
         )
+        textbook = max(
+            (
+                json.loads(_child([str(REPO / "bench" / "textbook_nnx.py"), "--model", args.model]))
+                for _ in range(2)
+            ),
+            key=lambda t: t["flops_per_s"],
+        )
+        # With and without checkpoints alternate, twice each: two identical runs here differ
+        # by up to 6% with the neighbours' load, as much as the effect measured.
         cold = _workload(root, args.model, args.steps, 10_000, "no-ckpt", cache)
         ckpt = _workload(root, args.model, args.steps, args.every, "ckpt", cache)
         warm = _workload(root, args.model, args.steps, 10_000, "warm", cache)
+        ckpt_2 = _workload(root, args.model, args.steps, args.every, "ckpt-2", cache)
+    best = {
+        "no_ckpt_tokens_per_s": max(cold["tokens_per_s"], warm["tokens_per_s"]),
+        "ckpt_tokens_per_s": max(ckpt["tokens_per_s"], ckpt_2["tokens_per_s"]),
+    }
+    none_s = best["no_ckpt_tokens_per_s"]
     figures = {
-        "model_flops_over_matmul_peak": cold["flops_per_token"] * cold["tokens_per_s"] / peak_f,
-        "workload_over_minimal_loop": cold["tokens_per_s"] / minimal,
-        "async_ckpt_over_none": ckpt["tokens_per_s"] / cold["tokens_per_s"],
+        "model_flops_over_matmul_peak": cold["flops_per_token"] * none_s / peak_f,
+        "workload_over_minimal_loop": none_s / minimal,
+        "async_ckpt_over_none": best["ckpt_tokens_per_s"] / none_s,
         "warm_compile_over_cold": warm["compile_s"] / cold["compile_s"],
         "textbook_flops_over_matmul_peak": textbook["flops_per_s"] / peak_f,
     }
@@ -185,7 +202,8 @@ def main() -> int:
         "peak_flops_per_s": peak_f,
         "minimal_tokens_per_s": minimal,
         "textbook": textbook,
-        "runs": {"cold_no_ckpt": cold, "ckpt": ckpt, "warm_cache": warm},
+        "runs": {"cold_no_ckpt": cold, "ckpt": ckpt, "warm_cache": warm, "ckpt_2": ckpt_2},
+        "best": best,
         "figures": figures,
         "goals": goals,
     }
