@@ -9,6 +9,7 @@ import pytest
 
 from workloads import checkpoint
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
+from workloads.step_metrics import NonFiniteError
 from workloads.trainer import create_train_state, make_mesh
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
@@ -61,7 +62,22 @@ def test_verify_refuses_wrong_step_config_or_missing(tmp_path, state):
         checkpoint.verify_checkpoint(str(tmp_path), 5, "other")
 
 
-def test_verify_refuses_non_finite_parameters(tmp_path, state):
+def test_a_non_finite_state_is_never_saved(tmp_path, state):
+    kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
+    kernel[...] = kernel[...].at[0, 0].set(jnp.inf)
+    with pytest.raises(NonFiniteError, match=r"step 4: after the update, array .*'up'.*Inf"):
+        save(tmp_path, 4, state.arrays)
+    assert checkpoint.latest_step(str(tmp_path)) is None
+    assert not list((tmp_path / "checkpoints").glob("4*"))
+
+
+@pytest.fixture()
+def bad_saves_allowed(monkeypatch):
+    """Write a non-finite checkpoint, as a bug or bit rot might: what reads it must cope."""
+    monkeypatch.setattr(checkpoint, "_refuse_non_finite", lambda step, state: None)
+
+
+def test_verify_refuses_non_finite_parameters(tmp_path, state, bad_saves_allowed):
     kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
     kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
     save(tmp_path, 10, state.arrays)
@@ -102,7 +118,7 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(
     assert _restore_newest(tmp_path, state.arrays)[0] == 5
 
 
-def test_non_finite_or_foreign_checkpoints_are_never_resumed(tmp_path, state):
+def test_non_finite_or_foreign_checkpoints_are_never_resumed(tmp_path, state, bad_saves_allowed):
     save(tmp_path, 5, state.arrays, config_hash="other-config")
     kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
     original = kernel[...]

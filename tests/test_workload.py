@@ -25,15 +25,46 @@ def first_losses(run: WorkloadRun, n: int) -> np.ndarray:
     return np.array([by_step[s] for s in range(1, n + 1)])
 
 
-def test_two_hosts_of_four_devices_match_one_host_of_eight(tmp_path):
-    one = WorkloadRun(tmp_path, "run_name=one-host", *EXACT)
-    two = WorkloadRun(tmp_path, "run_name=two-hosts", "slice.hosts=2", *EXACT)
+def test_two_hosts_of_four_devices_match_one_host_of_eight_through_a_preemption(tmp_path):
+    steps = ("train.steps=20",)
+    one = WorkloadRun(tmp_path, "run_name=one-host", *EXACT, *steps)
+    two = WorkloadRun(tmp_path, "run_name=two-hosts", "slice.hosts=2", *EXACT, *steps)
     assert one.run_to_end() == 0
+    # Both hosts get the notice (a slice is preempted whole) at their own step; they agree
+    # on one step to save, since a save is collective, and lose none.
+    attempt = two.start()
+    two.signal_at(attempt, 3, signal.SIGTERM)
+    assert two.wait(attempt) == PREEMPTED_EXIT
+    status = two.status()
+    assert status["phase"] == "preempted" and status["step"] < 20
+    assert checkpoint.latest_step(str(two.run_dir)) == status["step"]
     assert two.run_to_end() == 0
+    starts = [row["resumed_from"] for row in two.metrics() if "resumed_from" in row]
+    assert starts == [0, status["step"]]
     # Same global batches; rows are ordered differently across hosts, so sums round
-    # differently: a relative tolerance of 1e-5 on float32 losses.
-    np.testing.assert_allclose(first_losses(two, 12), first_losses(one, 12), rtol=1e-5)
-    assert (two.run_dir / "logs").glob("*-host1.log")
+    # differently: a relative tolerance of 1e-5 on float32 losses, across the resume.
+    np.testing.assert_allclose(first_losses(two, 20), first_losses(one, 20), rtol=1e-5)
+    assert list((two.run_dir / "logs").glob("*-host1.log"))
+
+
+def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_save(tmp_path):
+    # An absurd learning rate: step 1's loss and gradients are finite, its update is not
+    # sane, and step 2's gradients are NaN. Step 1's save (still being written when step
+    # 2 fails) must land; nothing of step 2 may.
+    run = WorkloadRun(
+        tmp_path,
+        "train.learning_rate=1e30",
+        "train.warmup_steps=0",
+        "train.checkpoint_every=1",
+        "train.log_every=1",
+        "train.steps=4",
+    )
+    assert run.run_to_end() == 1
+    status = run.status()
+    assert status["phase"] == "failed"
+    assert "NonFiniteError: step 2:" in status["error"] and "not finite" in status["error"]
+    assert checkpoint.latest_step(str(run.run_dir)) == 1
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir()) == ["1"]
 
 
 def test_preempted_then_killed_run_ends_bit_identical(tmp_path):

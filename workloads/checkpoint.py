@@ -22,6 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from workloads.step_metrics import NonFiniteError
+
 log = logging.getLogger(__name__)
 
 
@@ -63,13 +65,29 @@ def make_manager(
 def save(
     mngr: ocp.CheckpointManager, step: int, arrays: dict, data_iter: dict, config_hash: str
 ) -> None:
-    """Start saving `step` (asynchronously); the caller waits before exiting."""
+    """Start saving `step` (asynchronously); the caller waits before exiting.
+
+    Raises:
+        NonFiniteError: the state holds NaN/Inf (an update can overflow even when the loss
+            and gradients it came from were finite); nothing is written.
+    """
+    pure = _pure(arrays)
+    _refuse_non_finite(step, pure)
     args = ocp.args.Composite(
-        state=ocp.args.PyTreeSave(_pure(arrays)),
+        state=ocp.args.PyTreeSave(pure),
         data_iter=ocp.args.JsonSave(data_iter),
         meta=ocp.args.JsonSave({"step": step, "config_hash": config_hash}),
     )
     mngr.save(step, args=args, force=True)
+
+
+def _refuse_non_finite(step: int, state: dict) -> None:
+    problem = non_finite_array(state)
+    if problem:
+        raise NonFiniteError(
+            f"step {step}: after the update, {problem}; stopping without saving this state "
+            "(lower train.learning_rate)"
+        )
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict, dict, dict]:
@@ -98,17 +116,24 @@ def state_problem(state: Any, meta: dict, config_hash: str) -> str | None:
     """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf), or None."""
     if meta.get("config_hash") != config_hash:
         return f"written by config {meta.get('config_hash')}, this run's config is {config_hash}"
+    return non_finite_array(state)
+
+
+@jax.jit
+def _finite_each(leaves: list) -> jax.Array:
+    # One jitted reduction over every array: a replicated vector of booleans. Module-level
+    # so a check at every save reuses one compiled program.
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
+def non_finite_array(state: Any) -> str | None:
+    """'array <path> has NaN or Inf values' for the first such floating array, or None."""
     flat = [
         (path, leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
     ]
-    # One jitted reduction over every array: a replicated vector of booleans.
-    finite = np.asarray(
-        jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))(
-            [leaf for _, leaf in flat]
-        )
-    )
+    finite = np.asarray(_finite_each([leaf for _, leaf in flat]))
     for (path, _), ok in zip(flat, finite, strict=True):
         if not ok:
             return f"array {jax.tree_util.keystr(path)} has NaN or Inf values"

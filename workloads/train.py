@@ -12,16 +12,18 @@ Exit codes: 0 finished; 1 a bug or bad state (never retried); PREEMPTED_EXIT aft
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 from etils import epath
+from jax.experimental import multihost_utils
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
@@ -37,15 +39,25 @@ from workloads.trainer import (
     place_batch,
 )
 
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again", distinct from a crash
 log = logging.getLogger("workloads.train")
 
 
 class PreemptionNotice:
-    """Set by SIGTERM; the loop saves at the next step boundary and exits."""
+    """Set by SIGTERM; the loop saves at the next step boundary and exits.
+
+    Alone, a process decides by itself. With several hosts every host must save the same
+    step (a checkpoint save is collective), so once `jax.distributed` has started, JAX's
+    preemption service owns SIGTERM (it replaces our handler) and agrees with the other
+    hosts on the step to stop at: the step after the furthest host's current one.
+    """
 
     def __init__(self) -> None:
         self.received = False
+        self.across_hosts = False
 
     def install(self) -> None:
         """Route SIGTERM to this flag instead of killing the process mid-step."""
@@ -54,9 +66,20 @@ class PreemptionNotice:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = True
 
+    def stop_at(self, taken: int) -> bool:
+        """True once this attempt has taken `taken` steps and must now save and exit.
 
-def init_distributed(env: Mapping[str, str] = os.environ) -> None:
-    """Join the slice's other hosts, if there are any.
+        Called after every step, with the count of this attempt's steps rather than the
+        global step: the service stops one past the last count it was told, which is 0
+        (so: after the first step) for a notice that lands during start-up.
+        """
+        if self.across_hosts:
+            return multihost_utils.reached_preemption_sync_point(taken)
+        return self.received
+
+
+def init_distributed(env: Mapping[str, str] = os.environ) -> bool:
+    """Join the slice's other hosts, if there are any; True if `jax.distributed` started.
 
     The local provider passes the coordinator explicitly (CPU collectives over gloo); on a
     Cloud TPU slice `TPUPIPE_DISTRIBUTED=auto` lets JAX discover its peers itself.
@@ -69,8 +92,11 @@ def init_distributed(env: Mapping[str, str] = os.environ) -> None:
             num_processes=processes,
             process_id=int(env["TPUPIPE_PROCESS_ID"]),
         )
-    elif env.get("TPUPIPE_DISTRIBUTED") == "auto":
+        return True
+    if env.get("TPUPIPE_DISTRIBUTED") == "auto":
         jax.distributed.initialize()
+        return True
+    return False
 
 
 def configure_compile_cache(cache_dir: str | None) -> None:
@@ -154,48 +180,66 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         report.status("preempted", step=start, last_checkpoint=start or None)
         return PREEMPTED_EXIT
     report.status("compiling", step=start, last_checkpoint=start or None, peak=peak.source)
-    while step < total:
-        step += 1
-        arrays, metrics = step_fn(arrays, place_batch(next(data), mesh))
-        window.add(step, metrics)
-        # Read the flag once: a signal landing mid-iteration must not skip the save below
-        # yet still take the exit, or the exit would claim a step that was never saved.
-        preempted = notice.received
-        save_now = step % every == 0 or step == total or preempted
-        if save_now or step % cfg.train.log_every == 0 or step == start + 1:
-            rows = window.flush()  # raises NonFiniteError before a bad state is saved
-            if step == start + 1:
-                report.event("first_step", step=step, resumed_from=start)
-                rows[0].update(
-                    startup_s=time.perf_counter() - started,
-                    compile_cache_hits=compiles.hits,
-                    compile_cache_misses=compiles.misses,
-                    compile_s=compiles.compile_s,
-                    resumed_from=start,
+    with _saves_land_if_training_fails(mngr):
+        while step < total:
+            step += 1
+            arrays, metrics = step_fn(arrays, place_batch(next(data), mesh))
+            window.add(step, metrics)
+            # Read the flag once: a signal landing mid-iteration must not skip the save below
+            # yet still take the exit, or the exit would claim a step that was never saved.
+            preempted = notice.stop_at(step - start)
+            save_now = step % every == 0 or step == total or preempted
+            if save_now or step % cfg.train.log_every == 0 or step == start + 1:
+                rows = window.flush()  # raises NonFiniteError before a bad state is saved
+                if step == start + 1:
+                    report.event("first_step", step=step, resumed_from=start)
+                    rows[0].update(
+                        startup_s=time.perf_counter() - started,
+                        compile_cache_hits=compiles.hits,
+                        compile_cache_misses=compiles.misses,
+                        compile_s=compiles.compile_s,
+                        resumed_from=start,
+                    )
+                report.metrics(rows)
+                loss = finite_or_none(rows[-1]["loss"])
+                report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
+            if save_now:
+                if report.primary:
+                    report.events.check_lease()  # a zombie must never write a checkpoint
+                checkpoint.save(
+                    mngr, step, arrays, input.iterator_state_to_json(data), wcfg.config_hash
                 )
-            report.metrics(rows)
-            loss = finite_or_none(rows[-1]["loss"])
-            report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
-        if save_now:
-            if report.primary:
-                report.events.check_lease()  # a zombie must never write a checkpoint
-            checkpoint.save(
-                mngr, step, arrays, input.iterator_state_to_json(data), wcfg.config_hash
-            )
-            last_saved = step
-            report.event("checkpoint", step=step)
-        if preempted:
-            report.status("saving", step=step, last_checkpoint=step)
-            mngr.wait_until_finished()
-            mngr.close()
-            report.status("preempted", step=step, last_checkpoint=step)
-            report.event("preempted", step=step)
-            return PREEMPTED_EXIT
+                last_saved = step
+                report.event("checkpoint", step=step)
+            if preempted:
+                report.status("saving", step=step, last_checkpoint=step)
+                mngr.wait_until_finished()
+                mngr.close()
+                report.status("preempted", step=step, last_checkpoint=step)
+                report.event("preempted", step=step)
+                return PREEMPTED_EXIT
     mngr.wait_until_finished()
     mngr.close()
     report.status("finished", step=step, last_checkpoint=last_saved or None)
     report.event("finished", step=step)
     return 0
+
+
+@contextlib.contextmanager
+def _saves_land_if_training_fails(mngr: ocp.CheckpointManager) -> Iterator[None]:
+    """Let a save already under way commit when training stops on an error (NaN, a bug):
+    the previous good step is then the one a fixed run resumes from. Not for a lost lease:
+    a newer attempt owns the checkpoints, and this one must write nothing more."""
+    try:
+        yield
+    except LeaseLost:
+        raise
+    except Exception:
+        try:
+            mngr.wait_until_finished()
+        except Exception:  # the training error is the one to report
+            log.exception("the checkpoint save under way failed too")
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     notice.install()  # before the slow imports and start-up: a notice then is not lost
     wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
     try:
-        init_distributed()
+        notice.across_hosts = init_distributed()
         return run(wcfg, notice)
     except LeaseLost as exc:
         log.error("%s", exc)  # a newer attempt owns the run directory: write nothing
