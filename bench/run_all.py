@@ -163,7 +163,25 @@ def workload_rows(r: dict) -> list[dict]:
             ("cold compile s", round(cold["compile_s"], 2)),
             "<= 0.20",
         ),
+        *(
+            [
+                _row(
+                    "workload on the system malloc ÷ on " + _allocator_name(r.get("allocator", {})),
+                    f["system_malloc_over_chosen"],
+                    ("system malloc tokens/s", round(runs["system_malloc"]["tokens_per_s"])),
+                    ("tokens/s", round(none_s)),
+                )
+            ]
+            if "system_malloc_over_chosen" in f
+            else []
+        ),
     ]
+
+
+def _allocator_name(env: dict) -> str:
+    if env.get("LD_PRELOAD"):
+        return Path(env["LD_PRELOAD"]).name.split(".so")[0].removeprefix("lib")
+    return f"glibc with {env['GLIBC_TUNABLES']}" if env.get("GLIBC_TUNABLES") else "the same"
 
 
 def goodput_rows(r: dict) -> list[dict]:

@@ -13,8 +13,12 @@ run (the peak is the best of five matmuls, the minimal loop the better of two ru
 - tokens/s with async checkpoints every K steps ÷ without (goal ≥ 0.97);
 - first-step compile time of an attempt with a warm compilation cache ÷ a cold one (≤ 0.2).
 
-Reference, no goal: a textbook Flax NNX decoder of the same dimensions (bench/textbook_nnx.py)
-÷ the same peak, so the first figure can be read against what stock Flax layers reach here.
+Every side runs on the allocator the local slice provider gives workloads (TCMalloc when
+installed: see infra/slices/allocator.py).
+
+References, no goal: a textbook Flax NNX decoder of the same dimensions (bench/textbook_nnx.py)
+÷ the same peak, so the first figure can be read against what stock Flax layers reach here;
+and the workload on the system's malloc ÷ on that allocator.
 """
 
 from __future__ import annotations
@@ -52,12 +56,19 @@ def _config(root: Path, model: str, steps: int, every: int, name: str):
     )
 
 
-def _child(args: list[str]) -> str:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_PLATFORMS": "cpu",
-    }
+def _child(args: list[str], malloc: str = "auto") -> str:
+    """Run a side in a fresh process, on the allocator the local slice provider gives its
+    workloads (`malloc="system"`: the environment's own, for the reference run)."""
+    from infra.slices.allocator import allocator_env
+
+    env = allocator_env(
+        {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+            "JAX_PLATFORMS": "cpu",
+            "TPUPIPE_MALLOC": malloc,
+        }
+    )
     out = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, check=False
     )
@@ -66,7 +77,9 @@ def _child(args: list[str]) -> str:
     return out.stdout
 
 
-def _workload(root: Path, model: str, steps: int, every: int, name: str, cache: Path) -> dict:
+def _workload(
+    root: Path, model: str, steps: int, every: int, name: str, cache: Path, malloc: str = "auto"
+) -> dict:
     """Run the real workload once; its tokens/s (steady windows) and first-step seconds."""
     from tasks.plan import plan_run, write_workload_config
     from workloads import data
@@ -76,7 +89,7 @@ def _workload(root: Path, model: str, steps: int, every: int, name: str, cache: 
     plan = plan_run(cfg).model_copy(update={"compile_cache_dir": str(cache)})
     dataset = data.shard_dataset(cfg.dataset, plan.datasets_root)
     path = write_workload_config(cfg, plan, dataset.dataset_dir)
-    _child(["-m", "workloads.train", "--config", path])
+    _child(["-m", "workloads.train", "--config", path], malloc)
     rows = RunDir(plan.run_dir).read_metrics()
     first, steady = rows[0], [r for r in rows[1:] if r["step"] > 5]
     step_s = sum(r["step_time_s"] for r in steady) / len(steady)
@@ -88,6 +101,12 @@ def _workload(root: Path, model: str, steps: int, every: int, name: str, cache: 
         "flops_per_token": first["model_flops_per_token"],
         "cache_hits": first["compile_cache_hits"],
     }
+
+
+def _allocator() -> dict[str, str]:
+    from infra.slices.allocator import allocator_env
+
+    return allocator_env({})
 
 
 def minimal_loop(model: str, steps: int) -> None:
@@ -176,6 +195,7 @@ def main() -> int:
         ckpt = _workload(root, args.model, args.steps, args.every, "ckpt", cache)
         warm = _workload(root, args.model, args.steps, 10_000, "warm", cache)
         ckpt_2 = _workload(root, args.model, args.steps, args.every, "ckpt-2", cache)
+        glibc = _workload(root, args.model, args.steps, 10_000, "glibc", cache, "system")
     best = {
         "no_ckpt_tokens_per_s": max(cold["tokens_per_s"], warm["tokens_per_s"]),
         "ckpt_tokens_per_s": max(ckpt["tokens_per_s"], ckpt_2["tokens_per_s"]),
@@ -187,6 +207,7 @@ def main() -> int:
         "async_ckpt_over_none": best["ckpt_tokens_per_s"] / none_s,
         "warm_compile_over_cold": warm["compile_s"] / cold["compile_s"],
         "textbook_flops_over_matmul_peak": textbook["flops_per_s"] / peak_f,
+        "system_malloc_over_chosen": glibc["tokens_per_s"] / none_s,
     }
     goals = {
         "model_flops_over_matmul_peak": ">= 0.80",
@@ -194,6 +215,7 @@ def main() -> int:
         "async_ckpt_over_none": ">= 0.97",
         "warm_compile_over_cold": "<= 0.20",
         "textbook_flops_over_matmul_peak": "reference",
+        "system_malloc_over_chosen": "reference",
     }
     result = {
         "model": args.model,
@@ -202,7 +224,16 @@ def main() -> int:
         "peak_flops_per_s": peak_f,
         "minimal_tokens_per_s": minimal,
         "textbook": textbook,
-        "runs": {"cold_no_ckpt": cold, "ckpt": ckpt, "warm_cache": warm, "ckpt_2": ckpt_2},
+        "allocator": {
+            k: v for k, v in _allocator().items() if k in ("LD_PRELOAD", "GLIBC_TUNABLES")
+        },
+        "runs": {
+            "cold_no_ckpt": cold,
+            "ckpt": ckpt,
+            "warm_cache": warm,
+            "ckpt_2": ckpt_2,
+            "system_malloc": glibc,
+        },
         "best": best,
         "figures": figures,
         "goals": goals,

@@ -43,7 +43,9 @@ RESULTS = {
             "ckpt": {"tokens_per_s": 1980.0, "flops_per_token": 8e7, "compile_s": 0.5},
             "warm_cache": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 0.5},
             "ckpt_2": {"tokens_per_s": 1990.0, "flops_per_token": 8e7, "compile_s": 0.5},
+            "system_malloc": {"tokens_per_s": 1600.0, "flops_per_token": 8e7, "compile_s": 0.5},
         },
+        "allocator": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"},
         "best": {"no_ckpt_tokens_per_s": 2000.0, "ckpt_tokens_per_s": 1990.0},
         "figures": {
             "model_flops_over_matmul_peak": 8e7 * 2000.0 / 3e11,
@@ -51,6 +53,7 @@ RESULTS = {
             "async_ckpt_over_none": 0.99,
             "warm_compile_over_cold": 0.1,
             "textbook_flops_over_matmul_peak": 0.6,
+            "system_malloc_over_chosen": 0.8,
         },
     },
     "goodput": {
@@ -73,7 +76,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 14
+    assert len(rows) == 15
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -90,6 +93,9 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     textbook = by_figure["textbook Flax NNX decoder, same dimensions ÷ matmul peak"]
     assert textbook["value"] == 0.6 and textbook["goal"] is None and textbook["met"] is None
     assert textbook["numerator"]["measured"] == 180.0
+    malloc = by_figure["workload on the system malloc ÷ on tcmalloc_minimal"]
+    assert malloc["value"] == 0.8 and malloc["goal"] is None
+    assert malloc["numerator"]["measured"] == 1600
     ckpt = by_figure["async checkpoints every 10 steps ÷ none (tokens/s)"]
     assert ckpt["numerator"]["measured"] == 1990 and ckpt["reference"]["measured"] == 2000
     writer = by_figure["ArrayRecord writer alone ÷ plain read-and-write (warm cache)"]
@@ -106,6 +112,7 @@ def test_reference_rows_read_as_references_in_markdown():
     # A result written before the textbook reference existed still gives its rows.
     old = {**RESULTS["workload"]}
     old.pop("textbook")
+    old["figures"] = {k: v for k, v in old["figures"].items() if k != "system_malloc_over_chosen"}
     old.pop("best")
     assert len(run_all.ROWS["workload"](old)) == 4
 

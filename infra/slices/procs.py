@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.slices.allocator import allocator_env
 from infra.slices.base import SliceSpec
 
 _POLL_S = 0.02
@@ -160,11 +161,12 @@ def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None)
 
     Returns:
         os.environ + spec.env, with the virtual device count merged into XLA_FLAGS (any
-        earlier device-count flag replaced, other flags kept), JAX_PLATFORMS=cpu, and for
+        earlier device-count flag replaced, other flags kept), JAX_PLATFORMS=cpu, the
+        allocator of `infra.slices.allocator` (TCMalloc when installed), and for
         several hosts TPUPIPE_COORDINATOR_ADDRESS, TPUPIPE_NUM_PROCESSES and
         TPUPIPE_PROCESS_ID, which the workload passes to `jax.distributed.initialize`.
     """
-    env = {**os.environ, **spec.env}
+    env = allocator_env({**os.environ, **spec.env})
     if spec.hosts > 1:
         env["TPUPIPE_COORDINATOR_ADDRESS"] = coordinator or f"127.0.0.1:{free_port()}"
         env["TPUPIPE_NUM_PROCESSES"] = str(spec.hosts)
