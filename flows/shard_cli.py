@@ -5,8 +5,9 @@
         --out /data/datasets --workers 8
 
 Prints the dataset directory on stdout; exits 0 when the dataset is complete (written now or
-found cached), 1 on bad input (the message names the file and line, row or offset), 2 on
-invalid options.
+found cached), 1 on bad input (the message names the file and line, row or offset) or an
+--out that is not a writable directory, 2 on invalid options. A failed run leaves nothing
+under --out; a killed one leaves its finished work for the next run.
 """
 
 from __future__ import annotations

@@ -146,11 +146,14 @@ def test_bad_parquet_names_file_column_and_row(tmp_path):
         documents(path, format="parquet")
     with pytest.raises(DatasetError, match=r"a\.parquet: column 'n' has type int64, not text"):
         documents(path, format="parquet", text_field="n")
-    with pytest.raises(DatasetError, match=r"a\.parquet: row 2: column 'body' is null"):
+    # Rows count from 1, like JSONL lines: the third row.
+    with pytest.raises(DatasetError, match=r"a\.parquet: row 3: column 'body' is null"):
         documents(path, format="parquet", text_field="body")
     raw = tmp_path / "raw.parquet"
     pq.write_table(pa.table({"text": pa.array([b"ok", b"caf\xe9"], pa.binary())}), raw)
-    with pytest.raises(DatasetError, match=r"raw\.parquet: row 1: invalid UTF-8 at byte offset 3"):
+    with pytest.raises(
+        DatasetError, match=r"raw\.parquet: row 2: column 'text': invalid UTF-8 at byte offset 3"
+    ):
         documents(raw, format="parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DatasetError, match=r"junk\.parquet: not a readable Parquet file"):

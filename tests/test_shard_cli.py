@@ -58,3 +58,21 @@ def test_artifact_progress_spans_both_stages_and_throttles():
     assert sent[-1] == 100.0 and sent.count(100.0) == 1
     fake("a cache hit").finish()
     assert sent[-1] == 100.0 and sent.count(100.0) == 2
+
+
+def test_shard_command_names_an_out_that_is_not_a_directory_and_bad_json(tmp_path, capsys):
+    corpus = make_corpus(tmp_path)
+    (tmp_path / "file").write_text("")
+    argv = ["shard", "--source", str(corpus), "--out", str(tmp_path / "file"), "--seq-len", "16"]
+    assert main(argv) == 1
+    assert f"sharding failed: the datasets directory {tmp_path / 'file'} is not a directory" in (
+        capsys.readouterr().err
+    )
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": "ok"}\n{"text": "x", "d": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    out = tmp_path / "ds"
+    assert main(["shard", "--source", str(deep), "--out", str(out), "--format", "jsonl"]) == 1
+    assert f"sharding failed: {deep}:2: unreadable JSON: nested too deeply" in (
+        capsys.readouterr().err
+    )
+    assert not out.exists()  # nothing half-written left behind

@@ -17,7 +17,10 @@ A run has three phases, each safe to kill:
     3. Every shard is fsynced, then `manifest.json` is written last and atomically; then
        `.work/` is removed.
 Output bytes depend on neither the worker count nor the unit size. A lock file (`.lock`)
-serialises concurrent runs on the same directory.
+serialises concurrent runs on the same directory; a run that fails on bad input removes the
+directory (see `workloads.outdir`), one that is killed leaves it for the next to resume.
+Sources are never read from inside `out_root`, so a datasets directory may sit in a
+source directory.
 
 Split: a document goes to eval when a hash of its key (its path relative to its source
 root, plus `#n` for the n-th document of a JSONL, Parquet or line-per-document file) falls
@@ -26,7 +29,6 @@ below `eval_fraction`; if a split ends up empty, the last document of the other 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.config import DatasetConfig
+from workloads.listing import resolve_sources
 from workloads.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -50,14 +53,9 @@ from workloads.manifest import (
     verify_shards,
     write_manifest,
 )
+from workloads.outdir import claimed
 from workloads.packing import UnitJob, finished_unit, tokenize_unit, write_shard
-from workloads.sources import (
-    DatasetError,
-    SourceFile,
-    SourceStore,
-    resolve_sources,
-    select_by_size,
-)
+from workloads.sources import DatasetError, SourceFile, SourceStore, select_by_size
 from workloads.splits import plan_splits, plan_units, split_entries
 from workloads.tokens import TokenizerSpec, load_tokenizer
 
@@ -77,7 +75,6 @@ __all__ = [
 
 Progress = Callable[[str, int, int], None]  # (stage "tokenize" | "write", done, total)
 WORK_DIR = ".work"
-LOCK = ".lock"
 # With workers=0 (auto), a smaller corpus is sharded in this process: starting worker
 # processes (a forkserver importing numpy, then the workers) costs ~0.4 s, which a second
 # core pays back only from about here (fresh process, stdlib copies, 2 cores: 1 vs 2
@@ -160,17 +157,17 @@ def shard_dataset(
         The dataset directory, its manifest and whether it was already complete.
 
     Raises:
-        DatasetError: Bad sources or input, naming the place; or too little text for the
-            requested shards.
+        DatasetError: Bad sources or input, naming the place; too little text for the
+            requested shards; or an `out_root` that is not a writable directory.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
-    files = select_by_size(resolve_sources(cfg.sources, store), cfg.max_bytes)
+    files = resolve_sources(cfg.sources, store, exclude=out_root)
+    files = select_by_size(files, cfg.max_bytes)
     fingerprint = dataset_fingerprint(files, cfg, tokenizer)
     directory = Path(out_root) / fingerprint
     if (cached := _complete(directory)) is not None:
         return cached
-    directory.mkdir(parents=True, exist_ok=True)
-    with _locked(directory):
+    with claimed(directory):
         if (cached := _complete(directory)) is not None:  # another run finished meanwhile
             return cached
         for leftover in directory.glob(f"{TMP_PREFIX}*"):  # from a run killed mid-write
@@ -211,18 +208,6 @@ def _complete(directory: Path) -> ShardResult | None:
 
 
 @contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    # flock is released by the kernel when its holder dies, so a killed run never blocks
-    # the next one; a concurrent run waits here, then finds the manifest.
-    with open(directory / LOCK, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-@contextmanager
 def _pool(workers: int) -> Iterator[Callable]:
     """`run(fn, jobs)` yielding results in job order: in this process for one worker, else
     in worker processes started from a forkserver (forking the orchestrator itself, whose
@@ -236,6 +221,11 @@ def _pool(workers: int) -> Iterator[Callable]:
     executor = ProcessPoolExecutor(workers, mp_context=ctx)
     try:
         yield lambda fn, jobs: executor.map(fn, jobs)
+    except DatasetError:
+        # Bad input: the caller removes the directory, so let the jobs under way end first
+        # (the queued ones are cancelled) instead of writing into it meanwhile.
+        executor.shutdown(wait=True, cancel_futures=True)
+        raise
     except BrokenProcessPool as exc:
         executor.shutdown(wait=False, cancel_futures=True)
         raise RuntimeError(

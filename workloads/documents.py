@@ -9,10 +9,12 @@ Formats (`ReadOptions.format`, from `DatasetConfig`):
     text: the whole file is one document (`text_unit="file"`), or each line that is not
         blank is one (`text_unit="line"`; the line break is not part of it).
     jsonl: one JSON object per line, its text in `text_field`; blank lines are skipped.
-    parquet: the text is in column `text_field` (string or binary); a null is an error.
+    parquet: the text is in column `text_field` (string or binary, plain, large, view or
+        dictionary-encoded); a null is an error. Rows are numbered from 1, like lines.
 
 Gzip is detected from the content (text and jsonl); byte offsets then count decompressed
-bytes.
+bytes. A UTF-8 byte order mark at the start of a text or JSONL file is not part of its text
+(offsets still count it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
@@ -30,6 +33,7 @@ if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
 
 _GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -70,14 +74,24 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
     stream = gzip.GzipFile(fileobj=fh, mode="rb") if gz else fh
     where = "of the decompressed file" if gz else "of the file"
     try:
+        start = _skip_bom(stream)
         if opts.format == "text" and opts.text_unit == "file":
-            yield utf8(stream.read(), src.uri, 0, opts.errors, where)
+            yield utf8(stream.read(), src.uri, start, opts.errors, where)
         elif opts.format == "text":
-            yield from _lines(stream, src, opts, where)
+            yield from _lines(stream, src, opts, where, start)
         else:
-            yield from _jsonl(stream, src, opts, where)
-    except (OSError, EOFError) as exc:  # a truncated or corrupt gzip stream, a failed read
+            yield from _jsonl(stream, src, opts, where, start)
+    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
         raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
+
+
+def _skip_bom(stream: BinaryIO) -> int:
+    """Skip a byte order mark at the start of `stream` (some Windows tools write one);
+    returns its length, 0 or 3. Checked once per file, not per line."""
+    if stream.read(len(_BOM)) == _BOM:
+        return len(_BOM)
+    stream.seek(0)
+    return 0
 
 
 def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the file") -> bytes:
@@ -107,24 +121,28 @@ def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the
         ) from None
 
 
-def _numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, byte offset of the line, line without its line break)."""
-    offset = 0
+def _numbered_lines(stream: BinaryIO, offset: int) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset of the line, line without its line break), the first
+    line at `offset`."""
     for number, raw in enumerate(stream, start=1):
         line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
         yield number, offset, line
         offset += len(raw)
 
 
-def _lines(stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str) -> Iterator[bytes]:
-    for number, offset, line in _numbered_lines(stream):
+def _lines(
+    stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str, start: int
+) -> Iterator[bytes]:
+    for number, offset, line in _numbered_lines(stream, start):
         if line.strip():
             yield utf8(line, f"{src.uri}:{number}", offset, cfg.errors, where)
 
 
-def _jsonl(stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str) -> Iterator[bytes]:
+def _jsonl(
+    stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str, start: int
+) -> Iterator[bytes]:
     field = cfg.text_field
-    for number, offset, line in _numbered_lines(stream):
+    for number, offset, line in _numbered_lines(stream, start):
         if not line.strip():
             continue
         place = f"{src.uri}:{number}"
@@ -135,6 +153,11 @@ def _jsonl(stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str) -> I
             raise DatasetError(
                 f"{place}: malformed JSON: {exc.msg} at column {exc.colno}"
             ) from None
+        except ValueError as exc:  # an integer longer than int() converts (4300 digits)
+            reason = str(exc).split(";")[0]  # not the advice to raise Python's limit
+            raise DatasetError(f"{place}: unreadable JSON: {reason}") from None
+        except RecursionError:
+            raise DatasetError(f"{place}: unreadable JSON: nested too deeply") from None
         if not isinstance(obj, dict):
             raise DatasetError(f"{place}: expected a JSON object, got {_json_type(obj)}")
         if field not in obj:
@@ -180,10 +203,14 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
         columns = ", ".join(schema.names[:10])
         raise DatasetError(f"{src.uri}: no column {field!r} (columns: {columns}); set text_field")
     kind = schema.field(field).type
-    is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-    if not (is_text or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+    if pa.types.is_dictionary(kind):  # e.g. a low-cardinality column written by pandas
+        kind = kind.value_type
+    t = pa.types
+    is_text = t.is_string(kind) or t.is_large_string(kind) or t.is_string_view(kind)
+    is_binary = t.is_binary(kind) or t.is_large_binary(kind) or t.is_binary_view(kind)
+    if not (is_text or is_binary):
         raise DatasetError(f"{src.uri}: column {field!r} has type {kind}, not text")
-    row = 0
+    row = 1
     for group in range(pf.num_row_groups):
         try:
             column = pf.read_row_group(group, columns=[field]).column(0)
@@ -191,10 +218,24 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
             raise DatasetError(
                 f"{src.uri}: cannot read column {field!r} of row group {group}: {exc}"
             ) from None
+        # Pyarrow reads a string column without checking its UTF-8: one vectorised check
+        # per row group, and only a group that fails is checked value by value.
+        checked = is_text and _valid_utf8(column)
         for value in column.cast(pa.large_binary()).to_pylist():
             if value is None:
                 raise DatasetError(f"{src.uri}: row {row}: column {field!r} is null")
-            if not is_text:  # pyarrow has validated a string column's UTF-8 already
-                value = utf8(value, f"{src.uri}: row {row}", 0, cfg.errors, "of the value")
+            if not checked:
+                place = f"{src.uri}: row {row}: column {field!r}"
+                value = utf8(value, place, 0, cfg.errors, "of the value")
             yield value
             row += 1
+
+
+def _valid_utf8(column: object) -> bool:
+    import pyarrow as pa
+
+    try:
+        column.cast(pa.large_string()).validate(full=True)  # also decodes a dictionary
+    except pa.ArrowInvalid:
+        return False
+    return True

@@ -17,8 +17,10 @@ import numpy as np
 from workloads.sources import DatasetError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 3  # 3: ArrayRecord chunks of several records (packing.writer_options)
-READABLE_VERSIONS = (1, 2, 3)  # version 1 (uint16, byte tokenizer) has every field readers use
+# 3: ArrayRecord chunks of several records (packing.writer_options); 4: a leading UTF-8 BOM
+# is no longer text and Parquet strings are checked, so a dataset built before is redone.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 (uint16, byte tokenizer) has every field readers use
 TMP_PREFIX = ".tmp-"
 SPLITS = ("train", "eval")
 

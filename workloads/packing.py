@@ -29,8 +29,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from workloads.documents import ReadOptions, iter_documents
 from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256
-from workloads.sources import SourceFile, SourceStore, open_source
-from workloads.tokens import TokenizerSpec, encode
+from workloads.sources import DatasetError, SourceFile, SourceStore, check_unchanged, open_source
+from workloads.tokens import EncodeError, TokenizerSpec, encode
 
 WORK_VERSION = 1  # bump when a unit's spill files change meaning, so stale ones are redone
 CHUNK_BYTES = 32 << 10  # ArrayRecord chunk size aimed at; see `writer_options`
@@ -98,32 +98,47 @@ def tokenize_unit(job: UnitJob) -> dict:
     fields = ("tokens", "documents", "bytes", "last_tokens", "last_bytes")
     stats = {s: dict.fromkeys(fields, 0) for s in SPLITS}
     pending: dict[str, list[bytes]] = {s: [] for s in SPLITS}
+    # (file, document number) of each pending document: only read to name a document the
+    # tokenizer fails on.
+    origin: dict[str, list[tuple[str, int]]] = {s: [] for s in SPLITS}
     pending_bytes = dict.fromkeys(SPLITS, 0)
     outs = {s: open(job.path(f"{s}.tmp"), "wb") for s in SPLITS}  # noqa: SIM115
 
     def flush(split: str) -> None:
-        ids, last = encode(job.tokenizer, pending[split])
+        try:
+            ids, last = encode(job.tokenizer, pending[split])
+        except EncodeError as exc:
+            uri, n = origin[split][exc.index]
+            place = f"{uri}: document {n + 1}" if multi else uri
+            raise DatasetError(f"{place}: {exc}") from None
         outs[split].write(ids.tobytes())
         st = stats[split]
         st["tokens"] += len(ids)
         st["last_tokens"], st["last_bytes"] = last, len(pending[split][-1])
-        pending[split], pending_bytes[split] = [], 0
+        pending[split], origin[split], pending_bytes[split] = [], [], 0
 
     prefetch(job.files)
     try:
         for src in job.files:
             with open_source(src, job.store) as fh:
-                for n, doc in enumerate(iter_documents(fh, src, job.read)):
-                    # A multi-document file's documents are split one by one, so even a
-                    # single large JSONL file yields both splits.
-                    key = f"{src.key}#{n}" if multi else src.key
-                    split = "eval" if in_eval(key, job.eval_fraction) else "train"
-                    pending[split].append(doc)
-                    pending_bytes[split] += len(doc)
-                    stats[split]["documents"] += 1
-                    stats[split]["bytes"] += len(doc)
-                    if pending_bytes[split] >= ENCODE_BATCH_BYTES:
-                        flush(split)
+                try:
+                    for n, doc in enumerate(iter_documents(fh, src, job.read)):
+                        # A multi-document file's documents are split one by one, so even
+                        # a single large JSONL file yields both splits.
+                        key = f"{src.key}#{n}" if multi else src.key
+                        split = "eval" if in_eval(key, job.eval_fraction) else "train"
+                        pending[split].append(doc)
+                        origin[split].append((src.uri, n))
+                        pending_bytes[split] += len(doc)
+                        stats[split]["documents"] += 1
+                        stats[split]["bytes"] += len(doc)
+                        if pending_bytes[split] >= ENCODE_BATCH_BYTES:
+                            flush(split)
+                except DatasetError:
+                    # A line cut off by a writer still appending is not bad input: say so.
+                    check_unchanged(fh, src)
+                    raise
+                check_unchanged(fh, src)
         for split in SPLITS:
             if pending[split]:
                 flush(split)

@@ -56,7 +56,8 @@ def plan_splits(
     """Each split's stream (spill-file parts in unit order), totals, and shard jobs.
 
     Raises:
-        DatasetError: Fewer than two documents, or a split too short for its shards.
+        DatasetError: No text at all, fewer than two documents, or a split too short for
+            its shards.
     """
     splits = {}
     for split in SPLITS:
@@ -69,6 +70,11 @@ def plan_splits(
         last = next((m[split] for m in reversed(metas) if m[split]["documents"]), None)
         splits[split] = {"parts": parts, "last": last, **totals}
     docs = splits["train"]["documents"] + splits["eval"]["documents"]
+    if not splits["train"]["bytes"] + splits["eval"]["bytes"]:
+        # Else the shards would hold nothing but end-of-document ids, and look fine.
+        raise DatasetError(
+            f"dataset sources {cfg.sources!r} contain no text: {docs} document(s), all empty"
+        )
     if docs < 2:
         raise DatasetError(
             f"dataset sources {cfg.sources!r} give {docs} document(s); train and eval each "
@@ -81,10 +87,16 @@ def plan_splits(
         s = splits[split]
         records = max(0, (s["tokens"] - 1) // cfg.seq_len)
         if records < shards:
+            # The eval split always has one shard: num_shards does not change its needs.
+            advice = (
+                f"(num_shards={cfg.num_shards}); add text, lower seq_len or lower num_shards"
+                if split == "train"
+                else f"(eval_fraction={cfg.eval_fraction}); add text, lower seq_len or raise "
+                "eval_fraction"
+            )
             raise DatasetError(
                 f"the {split} split has {records} sequence(s) of seq_len={cfg.seq_len}, "
-                f"fewer than its {shards} shard(s) (num_shards={cfg.num_shards}); add text, "
-                "lower seq_len or lower num_shards"
+                f"fewer than its {shards} shard(s) {advice}"
             )
         bounds = [records * i // shards for i in range(shards + 1)]
         s["records"] = records

@@ -24,6 +24,15 @@ from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN
 UINT16_VOCAB = 1 << 16
 
 
+class EncodeError(DatasetError):
+    """The tokenizer failed on a document; `index` is its position in the batch given to
+    `encode`, so the caller can name the document's file."""
+
+    def __init__(self, message: str, index: int = 0):
+        super().__init__(message)
+        self.index = index
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """A tokenizer as the dataset records it; small and picklable, so each worker process
@@ -114,6 +123,18 @@ def _hf_tokenizer(spec: TokenizerSpec) -> Any:
     return _LOADED[spec.sha256]
 
 
+def _encode_error(spec: TokenizerSpec, hf: Any, texts: list[str], exc: Exception) -> EncodeError:
+    """The error for a batch the tokenizer failed on, naming its first failing document
+    (found by encoding one at a time: only after a failure, so the batch stays fast)."""
+    message = f"tokenizer file {spec.path} cannot encode it: {exc}"
+    for index, text in enumerate(texts):
+        try:
+            hf.encode(text, add_special_tokens=False)
+        except Exception:
+            return EncodeError(message, index)
+    return EncodeError(message)  # only the batch fails: name its first document
+
+
 def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     """Token ids of `docs`, each followed by EOD, concatenated.
 
@@ -124,6 +145,9 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     Returns:
         (ids as a little-endian `spec.dtype` array, token count of the last document
         including its EOD, or 0 when `docs` is empty).
+
+    Raises:
+        EncodeError: the tokenizer failed on a document (its `index` says which).
     """
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     if not docs:
@@ -134,7 +158,10 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     else:
         hf = _hf_tokenizer(spec)
         texts = [d.decode("utf-8") for d in docs]
-        encodings = hf.encode_batch_fast(texts, add_special_tokens=False)
+        try:
+            encodings = hf.encode_batch_fast(texts, add_special_tokens=False)
+        except Exception as exc:  # tokenizers raises a bare Exception, e.g. no unk token
+            raise _encode_error(spec, hf, texts, exc) from None
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(docs))
         flat = np.fromiter(
             itertools.chain.from_iterable(e.ids for e in encodings),

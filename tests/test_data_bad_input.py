@@ -1,0 +1,238 @@
+"""Bad input found by QA: each must fail with a `DatasetError` naming its place, or be read
+correctly, and a failed run must leave nothing in the output directory."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from tests.test_data import cfg_for, make_corpus
+from tests.test_data_formats import TEXTS, cfg, documents, write_jsonl
+from workloads import data, packing
+from workloads.data import DatasetError
+
+ROWS = [{"text": t} for t in TEXTS]
+
+
+def test_a_source_growing_while_read_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "log.jsonl", ROWS)
+    real_iter = packing.iter_documents
+
+    def appended_meanwhile(fh, src, opts):
+        for n, doc in enumerate(real_iter(fh, src, opts)):
+            if n == 1:  # a writer appends while the file is read
+                with open(path, "a") as out:
+                    out.write(json.dumps({"text": "late"}) + "\n")
+            yield doc
+
+    monkeypatch.setattr(packing, "iter_documents", appended_meanwhile)
+    with pytest.raises(DatasetError, match=r"log\.jsonl changed while reading"):
+        data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # created by the run, removed with its clutter
+
+
+def test_globstar_does_not_follow_directory_links_and_files_count_once(tmp_path):
+    corpus = make_corpus(tmp_path)
+    (corpus / "sub" / "back").symlink_to("..")  # a loop: `**` through it never ends
+    (corpus / "zz.txt").symlink_to(corpus / "doc0.txt")  # the same file, another name
+    (tmp_path / "alias").symlink_to(corpus)
+    keys = [f.key for f in data.resolve_sources([str(corpus / "**" / "*.txt")])]
+    assert keys == [
+        "doc0.txt",
+        "doc2.txt",
+        "doc4.txt",
+        "sub/doc1.txt",
+        "sub/doc3.txt",
+        "sub/doc5.txt",
+    ]
+    for entries in ([str(corpus)], [str(corpus / "**")], [str(corpus), str(tmp_path / "alias")]):
+        assert len(data.resolve_sources(entries)) == 6, entries
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_parquet_string_column_with_invalid_utf8_is_checked(tmp_path, view):
+    values = [t.encode() for t in TEXTS]
+    values[7] = b"bad \xff\xfe here"
+    offsets = pa.array([0, *itertools.accumulate(map(len, values))], pa.int32())
+    column = pa.Array.from_buffers(  # a writer that skipped validation
+        pa.string(), len(values), [None, offsets.buffers()[1], pa.py_buffer(b"".join(values))]
+    )
+    if view:
+        column = column.cast(pa.string_view())
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": column}), path, row_group_size=5)
+    with pytest.raises(
+        DatasetError, match=r"bad\.parquet: row 8: column 'text': invalid UTF-8 at byte offset 4"
+    ):
+        documents(path, format="parquet")
+    docs = documents(path, format="parquet", errors="replace")
+    assert docs[7] == "bad \ufffd\ufffd here".encode() and docs[8] == values[8]
+
+
+def test_parquet_dictionary_view_and_large_columns_are_read(tmp_path):
+    want = [t.encode() for t in TEXTS]
+    columns = {
+        "dict": pa.array(TEXTS).dictionary_encode(),
+        "view": pa.array(TEXTS, pa.string_view()),
+        "large": pa.array(TEXTS, pa.large_string()),
+        "binview": pa.array(want, pa.binary_view()),
+    }
+    path = tmp_path / "kinds.parquet"
+    pq.write_table(pa.table(columns), path, row_group_size=7)
+    for name in columns:
+        assert documents(path, format="parquet", text_field=name) == want, name
+    m = data.shard_dataset(cfg(path, format="parquet", text_field="dict"), tmp_path / "o").manifest
+    assert m["splits"]["train"]["documents"] + m["splits"]["eval"]["documents"] == len(TEXTS)
+
+
+def test_sources_of_only_empty_documents_have_no_text(tmp_path):
+    path = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 300)
+    with pytest.raises(DatasetError, match=r"contain no text: 300 document\(s\), all empty"):
+        data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+
+
+def test_an_out_directory_that_is_a_file_is_named(tmp_path):
+    corpus = make_corpus(tmp_path)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(DatasetError, match=r"datasets directory .*file is not a directory"):
+        data.shard_dataset(cfg_for(corpus), tmp_path / "file")
+    with pytest.raises(DatasetError, match=r"datasets directory .*file is not a directory"):
+        data.shard_dataset(cfg_for(corpus), tmp_path / "file" / "deeper")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_an_unwritable_out_directory_is_named(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(DatasetError, match=r"cannot write the dataset directory .*ro/"):
+        data.shard_dataset(cfg_for(make_corpus(tmp_path)), tmp_path / "ro")
+
+
+def test_a_tokenizer_that_cannot_encode_a_document_names_it(tmp_path):
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # "<unk>" is not in the vocabulary
+    tok.save(str(tmp_path / "tok.json"))
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world"}] * 5 + [{"text": "x"}])
+    with pytest.raises(
+        DatasetError, match=r"a\.jsonl: document 6: tokenizer file .*tok\.json cannot encode"
+    ):
+        data.shard_dataset(
+            cfg(path, format="jsonl", tokenizer=str(tmp_path / "tok.json")), tmp_path / "out"
+        )
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    packed = bytearray(gzip.compress("".join(json.dumps(r) + "\n" for r in ROWS).encode()))
+    packed[12] ^= 0xFF  # the deflate stream's first bytes
+    (tmp_path / "c.jsonl.gz").write_bytes(bytes(packed))
+    with pytest.raises(DatasetError, match=r"cannot read dataset source .*c\.jsonl\.gz: "):
+        documents(tmp_path / "c.jsonl.gz", format="jsonl")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"text": "x", "n": 1' + "0" * 5000 + "}", r"a\.jsonl:41: unreadable JSON: Exceeds"),
+        (
+            '{"text": "x", "d": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            r"a\.jsonl:41: unreadable JSON: nested too deeply",
+        ),
+    ],
+)
+def test_json_beyond_pythons_limits_names_file_and_line(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    with open(path, "a") as fh:
+        fh.write(line + "\n")
+    with pytest.raises(DatasetError, match=message):
+        data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+
+
+def test_a_leading_byte_order_mark_is_not_text(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "f.txt").write_bytes(bom + b"one\ntwo\n")
+    assert documents(tmp_path / "f.txt") == [b"one\ntwo\n"]
+    assert documents(tmp_path / "f.txt", text_unit="line") == [b"one", b"two"]
+    lines = bom + b'{"text": "a"}\n{"text": "b"}\n'
+    (tmp_path / "a.jsonl").write_bytes(lines)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    for name in ("a.jsonl", "a.jsonl.gz"):
+        assert documents(tmp_path / name, format="jsonl") == [b"a", b"b"], name
+    (tmp_path / "bad.txt").write_bytes(bom + b"ok \xff")  # offsets still count the mark
+    with pytest.raises(DatasetError, match=r"bad\.txt: invalid UTF-8 at byte offset 6 "):
+        documents(tmp_path / "bad.txt")
+
+
+def test_a_fifo_or_device_named_as_a_source_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "null.txt").symlink_to("/dev/null")
+    (tmp_path / "pipe.txt").symlink_to(tmp_path / "fifo")
+    for name, kind in (("fifo", "a FIFO"), ("null.txt", "a device"), ("pipe.txt", "a FIFO")):
+        with pytest.raises(DatasetError, match=rf"{name} is {kind}, not a regular file"):
+            data.resolve_sources([str(tmp_path / name)])
+    # Found by a walk or a glob, they are skipped like sockets (not documents).
+    (tmp_path / "doc.txt").write_text("text")
+    for entry in (str(tmp_path), str(tmp_path / "*")):
+        assert [f.key for f in data.resolve_sources([entry])] == ["doc.txt"]
+
+
+def test_a_failed_run_leaves_nothing_behind(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*ROWS, {"body": "no text"}])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "other").mkdir()  # another dataset: kept
+    for out in (tmp_path / "out", tmp_path / "new" / "deeper"):
+        with pytest.raises(DatasetError, match=r"bad\.jsonl:41: no field 'text'"):
+            data.shard_dataset(cfg(bad, format="jsonl", workers=2), out, unit_bytes=1)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["other"]
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_run_waiting_for_a_failed_run_locks_the_new_directory(tmp_path):
+    from workloads.outdir import claimed
+
+    directory = tmp_path / "out" / "fp"
+    entered, results = threading.Event(), []
+
+    def failing() -> None:
+        try:
+            with claimed(directory):
+                entered.set()
+                time.sleep(0.3)  # the other run is waiting on the lock meanwhile
+                raise DatasetError("bad input")
+        except DatasetError:
+            results.append("failed")
+
+    def waiting() -> None:
+        entered.wait()
+        with claimed(directory):
+            results.append((directory / ".lock").is_file())
+
+    threads = [threading.Thread(target=failing), threading.Thread(target=waiting)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == ["failed", True]
+
+
+def test_an_out_directory_inside_a_source_directory_is_not_read(tmp_path):
+    corpus = make_corpus(tmp_path)
+    out = corpus / "datasets"
+    for entry in (corpus, corpus / "**"):
+        first = data.shard_dataset(cfg_for(entry), out)
+        again = data.shard_dataset(cfg_for(entry), out)
+        assert again.cached and again.dataset_dir == first.dataset_dir, entry
+        assert len(first.manifest["sources"]) == 6
+
+
+def test_a_short_eval_split_advises_eval_fraction_not_num_shards(tmp_path):
+    corpus = make_corpus(tmp_path)
+    with pytest.raises(DatasetError, match=r"eval split .*\(eval_fraction=.*raise eval_fraction"):
+        data.shard_dataset(cfg_for(corpus, seq_len=1024, eval_fraction=1e-9), tmp_path / "o")

@@ -1,0 +1,274 @@
+"""Which files a dataset is made of: expanding source entries into `SourceFile`s.
+
+A source entry is a local file, a directory (every regular file below it), a glob (`**`
+allowed), `stdlib` (this Python's standard library `.py` files, a corpus every machine has) or
+a `scheme://` URI such as `gs://bucket/prefix` (every object under the prefix; `*`, `?` and
+`[...]` match within the listing). Local paths are handled here; URIs go through a
+`SourceStore` the caller passes in, so this module never imports a cloud SDK.
+
+Each file gets a `key`: its path relative to the root of the entry that named it (a file
+entry: its base name). The key, not the absolute path, decides a document's train/eval split,
+so the same corpus unpacked in another directory or on another machine gives the same shards.
+Files are ordered by entry, then by key; a file reached twice (by two entries, or through a
+symlink) counts once, for the first. Only regular files are read: a FIFO or device named
+as a source is an error, as it could block a read forever. Neither directory walks nor `**`
+follow directory symlinks, so a link to an ancestor cannot loop.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import stat
+import sysconfig
+
+from workloads.sources import DatasetError, SourceFile, SourceStore
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def resolve_sources(
+    sources: list[str],
+    store: SourceStore | None = None,
+    exclude: str | os.PathLike | None = None,
+) -> list[SourceFile]:
+    """Expand source entries into the ordered, de-duplicated files they name.
+
+    Args:
+        sources: Entries as described in the module docstring.
+        store: Lists and opens `scheme://` entries; needed only when there are any.
+        exclude: A local directory that directory walks and globs never enter: the
+            datasets directory, so shards written inside a source directory are not read
+            back as sources by the next run.
+
+    Returns:
+        The files, by entry and then by key.
+
+    Raises:
+        DatasetError: An entry matches no file, a file is not readable or not a regular
+            file, or a URI entry has no store to read it.
+    """
+    if not sources:
+        raise DatasetError("the dataset has no sources: give at least one file, directory or glob")
+    skip = _dir_id(exclude)
+    found: dict[str, SourceFile] = {}
+    for entry in sources:
+        if "://" in entry:
+            files = [(f.uri, f) for f in _expand_uri(entry, store)]
+        else:
+            files = _expand_local(entry, skip)
+        if not files:
+            raise DatasetError(f"dataset source {entry!r} matches no file")
+        for real, f in sorted(files, key=lambda rf: rf[1].key):
+            found.setdefault(real, f)  # by real path: a file behind two names is read once
+    return list(found.values())
+
+
+# A local file with its real path (symlinks resolved), the identity duplicates share.
+Located = tuple[str, SourceFile]
+DirId = tuple[int, int] | None  # (st_dev, st_ino) of the excluded directory
+
+
+def _dir_id(path: str | os.PathLike | None) -> DirId:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # not there yet: nothing in it to skip
+    return (st.st_dev, st.st_ino)
+
+
+def _expand_local(entry: str, skip: DirId = None) -> list[Located]:
+    if entry == "stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        return _walk(root, root, skip, names={"site-packages"}, suffix=".py")
+    if os.path.isdir(entry):
+        return _walk(entry, entry, skip)
+    if os.path.lexists(entry):  # also a FIFO or dangling link: refused by name in _local
+        return [(os.path.realpath(entry), _local(entry, os.path.dirname(os.path.abspath(entry))))]
+    root = _static_prefix(entry)
+    out, real_dirs = [], {}
+    for match in sorted(_glob(entry, skip)):
+        if os.path.isdir(match):
+            out.extend(_walk(match, root, skip))
+        elif os.path.isfile(match):  # sockets, fifos and dangling links are not documents
+            out.append((_real(match, real_dirs), _local(match, root)))
+    return out
+
+
+def _real(path: str, real_dirs: dict[str, str]) -> str:
+    """`os.path.realpath(path)`, resolving each directory once rather than once per file."""
+    head, name = os.path.split(os.path.abspath(path))
+    if os.path.islink(path):
+        return os.path.realpath(path)
+    if head not in real_dirs:
+        real_dirs[head] = os.path.realpath(head)
+    return os.path.join(real_dirs[head], name)
+
+
+def _static_prefix(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: the root keys are relative to."""
+    head = _GLOB.split(pattern, maxsplit=1)[0]
+    return os.path.dirname(head) or "."
+
+
+def _glob(pattern: str, skip: DirId) -> list[str]:
+    """Paths matching `pattern` as `glob.glob(pattern, recursive=True)` finds them, except
+    that `**` never descends through a directory symlink (`glob` does, and loops through a
+    link to an ancestor until the path is too long) nor into the `skip` directory. As in
+    `glob`, wildcards match no leading "." unless the pattern has one."""
+    parts = [p for p in pattern.split(os.sep) if p]
+    bases = [os.sep if pattern.startswith(os.sep) else os.curdir]
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        matches: list[str] = []
+        for base in bases:
+            if part == "**":
+                # The last `**` names whole directories, which the caller walks.
+                matches.extend([base] if last else _subdirs(base, skip))
+            elif not _GLOB.search(part):
+                if os.path.lexists(os.path.join(base, part)):
+                    matches.append(os.path.join(base, part))
+            else:
+                matches.extend(_matching(base, part, skip, dirs_only=not last))
+        bases = list(dict.fromkeys(matches))  # "a/**/**/b" reaches a path more than once
+    return bases
+
+
+def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
+    try:
+        with os.scandir(base) as it:
+            entries = list(it)
+    except OSError:  # not a directory, or unreadable: no match, as in `glob`
+        return []
+    hidden = part.startswith(".")
+    return [
+        e.path
+        for e in entries
+        if fnmatch.fnmatchcase(e.name, part)
+        and (hidden or not e.name.startswith("."))
+        and (not dirs_only or e.is_dir())
+        and not _is_skipped(e, skip)
+    ]
+
+
+def _subdirs(top: str, skip: DirId) -> list[str]:
+    """`top` and every directory below it that is not hidden, not through symlinks."""
+    out, pending = [], [top]
+    while pending:
+        directory = pending.pop()
+        out.append(directory)
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError as exc:
+            raise DatasetError(
+                f"dataset source directory {directory} is not readable: {exc.strerror}"
+            ) from exc
+        pending.extend(
+            e.path
+            for e in entries
+            if e.is_dir(follow_symlinks=False)
+            and not e.name.startswith(".")
+            and not _is_skipped(e, skip)
+        )
+    return out
+
+
+def _is_skipped(entry: os.DirEntry, skip: DirId) -> bool:
+    # The inode comes with the directory listing; only a match costs a stat.
+    if skip is None or entry.inode() != skip[1]:
+        return False
+    return entry.stat(follow_symlinks=False).st_dev == skip[0]
+
+
+def _walk(
+    top: str,
+    root: str,
+    skip: DirId = None,
+    names: frozenset[str] | set[str] = frozenset(),
+    suffix: str = "",
+) -> list[Located]:
+    """Regular files below directory `top` (not following directory links, not entering
+    the `skip` directory nor ones called one of `names`), keyed relative to `root`.
+    `os.scandir` knows each entry's type without a `stat`, which matters for corpora of
+    many small files; for the same reason a file's real path is `top`'s plus its
+    relative path, unless the file is itself a link."""
+    top = os.path.abspath(top)
+    real_top = os.path.realpath(top)
+    out, pending = [], [top]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError as exc:  # os.walk would skip the directory silently
+            raise DatasetError(
+                f"dataset source directory {directory} is not readable: {exc.strerror}"
+            ) from exc
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                if e.name not in names and not _is_skipped(e, skip):
+                    pending.append(e.path)
+            elif e.name.endswith(suffix) and e.is_file():
+                real = os.path.realpath(e.path) if e.is_symlink() else real_top + e.path[len(top) :]
+                out.append((real, _local(e.path, root, e)))
+    return out
+
+
+def _local(path: str, root: str, entry: os.DirEntry | None = None) -> SourceFile:
+    path = os.path.abspath(path)
+    try:
+        st = entry.stat() if entry is not None else os.stat(path)
+        # os.access does not see every reason a read fails, but it is the cheap, early check;
+        # the read itself reports anything it misses, also naming the file.
+        if not os.access(path, os.R_OK):
+            raise PermissionError("permission denied")
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise DatasetError(f"dataset source file {path} is not readable: {reason}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise DatasetError(_not_regular(path, st.st_mode))
+    base = os.path.abspath(root) + os.sep
+    rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, base)
+    return SourceFile(path, rel.replace(os.sep, "/"), st.st_size, st.st_mtime_ns)
+
+
+def _not_regular(path: str, mode: int) -> str:
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"dataset source {path} is {kind}, not a regular file; only files are read"
+
+
+def _expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
+    if store is None:
+        scheme = entry.split("://", 1)[0]
+        raise DatasetError(
+            f"dataset source {entry!r} needs a storage backend for {scheme}:// "
+            "(the pipeline and `tpupipe shard` provide one)"
+        )
+    pattern = entry if _GLOB.search(entry) else None
+    prefix = entry if pattern is None else _GLOB.split(entry, maxsplit=1)[0]
+    # Keys are relative to the prefix taken as a directory (like a local directory entry),
+    # or to a pattern's last "/" before its first wildcard.
+    root = entry.rstrip("/") + "/" if pattern is None else prefix.rsplit("/", 1)[0] + "/"
+    try:
+        listing = list(store.list(prefix))
+    except Exception as exc:  # any backend failure, named by the entry the user gave
+        raise DatasetError(f"cannot list dataset source {entry!r}: {exc}") from exc
+    out = []
+    for obj in listing:
+        if obj.uri.endswith("/"):
+            continue  # "directory" placeholder objects hold no text
+        if pattern is None and obj.uri != entry and not _under(obj.uri, entry):
+            continue  # prefix "gs://b/data" must not take "gs://b/database.txt"
+        if pattern is not None and not fnmatch.fnmatchcase(obj.uri, pattern):
+            continue
+        key = obj.uri.rsplit("/", 1)[1] if obj.uri == entry else obj.uri[len(root) :]
+        out.append(SourceFile(obj.uri, key, int(obj.size), int(obj.generation)))
+    return out
+
+
+def _under(uri: str, prefix: str) -> bool:
+    return uri.startswith(prefix if prefix.endswith("/") else prefix + "/")
