@@ -159,17 +159,32 @@ class ModelConfig(_Strict):
         return data
 
 
+# Hyperparameters become float32 on the device: a larger value would be inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 class TrainConfig(_Strict):
     """Optimisation and checkpointing."""
 
     steps: int = Field(100, ge=1, description="Optimizer steps in the whole run.")
     batch_size: int = Field(32, ge=1, description="Global batch size in sequences.")
-    learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(
+        3e-3, gt=0, allow_inf_nan=False, description="Peak AdamW learning rate."
+    )
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps before cosine decay.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
+    weight_decay: float = Field(
+        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay."
+    )
     checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every K steps.")
     keep_checkpoints: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
     log_every: int = Field(10, ge=1, description="Write step metrics every N steps.")
+
+    @field_validator("learning_rate", "weight_decay")
+    @classmethod
+    def _fits_float32(cls, value: float) -> float:
+        if value >= FLOAT32_MAX:
+            raise ValueError(f"{value:g} is inf in float32: use a value below 3.4e38")
+        return value
 
 
 class EvalConfig(_Strict):
@@ -225,7 +240,9 @@ class PipelineConfig(_Strict):
         description="Name of the run; running again with the same name resumes it from its "
         "checkpoints. Lowercase letters, digits and dashes. Empty: a new name is generated.",
     )
-    seed: int = Field(0, description="Seed for parameter init and data shuffling.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed for parameter init and data shuffling (uint32)."
+    )
     dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Input corpus.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model sizes.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")

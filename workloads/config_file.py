@@ -36,12 +36,52 @@ def _line_index(node: yaml.Node, prefix: tuple = (), out: dict | None = None) ->
     return out
 
 
+def _duplicate_key(node: yaml.Node | None, source: str) -> None:
+    """Refuse a key given twice in one mapping (YAML would silently keep the last)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if str(key.value) in seen:
+                raise ConfigError(
+                    f"{source}:{line}: duplicate key {key.value!r} "
+                    f"(first given at line {seen[str(key.value)]})"
+                )
+            seen[str(key.value)] = line
+            _duplicate_key(value, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _duplicate_key(item, source)
+
+
+# Keys whose values are names: YAML must not turn `123`, `2024-01-01` or `no` into a number,
+# a date or a boolean, so their text is kept as written.
+_NAME_KEYS = (("run_name",),)
+
+
+def _names_as_written(node: yaml.Node | None, data: dict) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key, value in node.value:
+        is_name = (key.value,) in _NAME_KEYS and isinstance(value, yaml.ScalarNode)
+        if is_name and value.value and not isinstance(data.get(key.value), str):
+            data[key.value] = value.value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.steps=200` -> (['train', 'steps'], 200); the value is parsed as YAML."""
+    """`train.steps=200` -> (['train', 'steps'], 200); the value is parsed as YAML (a name
+    key's value is kept as text)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected key=value, e.g. train.steps=200")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    path = key.strip().split(".")
+    if tuple(path) in _NAME_KEYS:
+        return path, raw.strip() or None
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML: {problem}") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -97,19 +137,29 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     overrides = overrides or []
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+        with open(source, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{source}: not UTF-8 text (invalid byte at offset {exc.start})"
+        ) from None
+    try:
         node = yaml.compose(text)
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if node is None or data is None:
+        raise ConfigError(f"{source}: the config is empty (only comments or blank lines)")
+    _duplicate_key(node, source)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of config sections")
+    _names_as_written(node, data)
     data = apply_overrides(data, overrides)
-    lines = _line_index(node) if node is not None else {}
+    lines = _line_index(node)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:

@@ -1,0 +1,75 @@
+"""Config files and overrides a user gets wrong: each is refused with its place named."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.cli import main as cli_main
+from workloads.config_file import ConfigError, load_config
+
+
+def write(tmp_path, data: str | bytes):
+    path = tmp_path / "c.yaml"
+    if isinstance(data, str):
+        data = data.encode()
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n", "---\n"])
+def test_an_empty_config_is_an_error(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"c\.yaml: the config is empty"):
+        load_config(write(tmp_path, text))
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 10\n  batch_size: 8\n  steps: 20\n")
+    with pytest.raises(
+        ConfigError, match=r"c\.yaml:4: duplicate key 'steps' \(first given at line 2\)"
+    ):
+        load_config(path)
+    path = write(tmp_path, "train: {steps: 10}\nseed: 1\ntrain: {batch_size: 8}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: duplicate key 'train' .*line 1\)"):
+        load_config(path)
+
+
+def test_a_config_that_is_not_utf8_names_the_byte(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8 text \(invalid byte at offset 13\)"):
+        load_config(write(tmp_path, b"run_name: caf\xe9\n"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("seed=-1", r"--set: seed: .*greater than or equal to 0"),
+        ("seed=4294967296", r"--set: seed: .*less than or equal to 4294967295"),
+        ("train.learning_rate=.inf", r"train\.learning_rate: .*finite"),
+        ("train.learning_rate=.nan", r"train\.learning_rate: .*finite"),
+        ("train.learning_rate=1e39", r"1e\+39 is inf in float32"),
+        ("train.weight_decay=1e300", r"train\.weight_decay: 1e\+300 is inf in float32"),
+    ],
+)
+def test_values_the_device_cannot_hold_are_refused(tmp_path, setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "seed: 0\n"), [setting])
+
+
+def test_the_largest_seed_and_a_huge_finite_learning_rate_are_valid(tmp_path):
+    cfg = load_config(write(tmp_path, "seed: 4294967295\ntrain: {learning_rate: 1.0e+30}\n"))
+    assert cfg.seed == 2**32 - 1 and cfg.train.learning_rate == 1e30
+
+
+def test_an_override_that_is_not_yaml_is_named(tmp_path, capsys):
+    path = write(tmp_path, "seed: 0\n")
+    with pytest.raises(ConfigError, match=r"--set 'train\.steps=\[1': the value is not valid YAML"):
+        load_config(path, ["train.steps=[1"])
+    assert cli_main(["validate", "--config", str(path), "--set", "train.steps=[1"]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["123", "2024-01-01", "no", "1e3"])
+def test_run_names_yaml_would_retype_are_kept_as_written(tmp_path, name):
+    assert load_config(write(tmp_path, f"run_name: {name}\n")).run_name == name
+    assert load_config(write(tmp_path, "seed: 0\n"), [f"run_name={name}"]).run_name == name
+    with pytest.raises(ConfigError, match="run_name 'No'"):
+        load_config(write(tmp_path, "run_name: No\n"))
