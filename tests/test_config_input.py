@@ -73,3 +73,16 @@ def test_run_names_yaml_would_retype_are_kept_as_written(tmp_path, name):
     assert load_config(write(tmp_path, "seed: 0\n"), [f"run_name={name}"]).run_name == name
     with pytest.raises(ConfigError, match="run_name 'No'"):
         load_config(write(tmp_path, "run_name: No\n"))
+
+
+def test_a_bad_workload_config_is_one_line_not_a_traceback(tmp_path, capsys):
+    from workloads import evaluate, train
+
+    bad = tmp_path / "config.json"
+    bad.write_text('{"run_dir": 3}')
+    assert train.main(["--config", str(bad)]) == 1  # never retried
+    assert evaluate.main(["--config", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"{bad}: not a workload config: pipeline: Field required")
+    assert err[1].startswith(f"{tmp_path / 'missing.json'}: cannot read the workload config")
+    assert len(err) == 2

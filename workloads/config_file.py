@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from workloads.config import PipelineConfig
+from workloads.config import PipelineConfig, WorkloadConfig
 
 
 class ConfigError(ValueError):
@@ -165,3 +165,27 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     except ValidationError as exc:
         overridden = {".".join(parse_override(o)[0]) for o in overrides}
         raise ConfigError(format_validation_error(exc, source, lines, overridden)) from None
+
+
+def load_workload_config(path: str) -> WorkloadConfig:
+    """Read the `config.json` the orchestrator wrote for the workload.
+
+    Raises:
+        ConfigError: one line naming the file and the first problem (it was not written by
+            this version of the orchestrator, or was edited by hand).
+    """
+    from etils import epath  # gs:// paths too, as on a TPU VM
+
+    try:
+        text = epath.Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the workload config: {exc}") from None
+    try:
+        return WorkloadConfig.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(
+            f"{path}: not a workload config: {where}: {first['msg']}{more}"
+        ) from None

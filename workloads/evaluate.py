@@ -19,6 +19,7 @@ from flax import nnx
 
 from workloads import checkpoint, input
 from workloads.config import MeshConfig, WorkloadConfig
+from workloads.config_file import ConfigError, load_workload_config
 from workloads.model import Transformer, token_losses
 from workloads.rundir import EVAL, write_json_atomic
 from workloads.trainer import BATCH_KEYS, make_mesh
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's config.json")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (newest)")
     args = parser.parse_args(argv)
-    wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
+    try:
+        wcfg = load_workload_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     step = args.step if args.step is not None else checkpoint.latest_step(wcfg.run_dir)
     if step is None:
         print(f"no checkpoint in {wcfg.run_dir}", file=sys.stderr)

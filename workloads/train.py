@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
+from workloads.config_file import ConfigError, load_workload_config
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
@@ -253,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     notice = PreemptionNotice()
     notice.install()  # before the slow imports and start-up: a notice then is not lost
-    wcfg = WorkloadConfig.model_validate_json(epath.Path(args.config).read_text())
+    try:
+        wcfg = load_workload_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     try:
         notice.across_hosts = init_distributed()
         return run(wcfg, notice)
