@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from flows.cli import main as cli_main
+from tests.helpers import REPO
 from workloads.config_file import ConfigError, load_config
 
 
@@ -75,14 +79,20 @@ def test_run_names_yaml_would_retype_are_kept_as_written(tmp_path, name):
         load_config(write(tmp_path, "run_name: No\n"))
 
 
-def test_a_bad_workload_config_is_one_line_not_a_traceback(tmp_path, capsys):
-    from workloads import evaluate, train
+def test_a_bad_workload_config_is_one_line_not_a_traceback(tmp_path):
+    # In subprocesses: the workload's entry points configure logging for their process.
+    def run(module: str, config) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", module, "--config", str(config)]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
 
     bad = tmp_path / "config.json"
     bad.write_text('{"run_dir": 3}')
-    assert train.main(["--config", str(bad)]) == 1  # never retried
-    assert evaluate.main(["--config", str(tmp_path / "missing.json")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith(f"{bad}: not a workload config: pipeline: Field required")
-    assert err[1].startswith(f"{tmp_path / 'missing.json'}: cannot read the workload config")
-    assert len(err) == 2
+    train = run("workloads.train", bad)
+    assert train.returncode == 1  # never retried
+    assert f"{bad}: not a workload config: pipeline: Field required (and 4 more)" in train.stderr
+    assert "Traceback" not in train.stderr
+    missing = tmp_path / "missing.json"
+    evaluate = run("workloads.evaluate", missing)
+    assert evaluate.returncode == 2
+    assert evaluate.stderr.startswith(f"{missing}: cannot read the workload config")
+    assert "Traceback" not in evaluate.stderr
