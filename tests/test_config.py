@@ -52,7 +52,7 @@ def test_unknown_key_is_an_error(tmp_path):
 def test_model_shape_checks_name_fields(tmp_path):
     path = write(
         tmp_path,
-        "model: {d_model: 100, n_heads: 3, d_ff: 90, max_seq_len: 64}\n"
+        "model: {d_model: 100, n_heads: 3, d_ff: 91, max_seq_len: 64}\n"
         "dataset: {seq_len: 128}\nmesh: {data: 1, fsdp: 4, tensor: 2}\n",
     )
     with pytest.raises(ConfigError) as err:
@@ -60,7 +60,7 @@ def test_model_shape_checks_name_fields(tmp_path):
     msg = str(err.value)
     assert "model.d_model = 100 is not divisible by model.n_heads = 3" in msg
     assert "model.n_heads = 3 is not divisible by mesh.tensor = 2" in msg
-    assert "model.d_ff = 90 is not divisible by mesh.fsdp = 4" in msg
+    assert "model.d_ff = 91 is not divisible by mesh.tensor = 2" in msg
     assert "dataset.seq_len = 128 exceeds model.max_seq_len = 64" in msg
 
 

@@ -2,8 +2,8 @@
 
 `PipelineConfig` is both the flow's parameter (the Prefect UI renders its form from the
 field descriptions) and, wrapped in `WorkloadConfig`, the file the workload reads on the
-slice. Cross-field checks live here so that a config that cannot train is rejected in the
-validate stage, before a slice is provisioned.
+slice. Its validator runs the cross-field checks (workloads/config_checks.py), so that a
+config that cannot train is rejected in the validate stage, before a slice is provisioned.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from workloads.config_checks import cross_field_problems
 from workloads.config_infra import (  # noqa: F401  (re-exported: the config's one home)
     CostConfig,
     MetricsConfig,
@@ -24,17 +25,14 @@ from workloads.config_infra import (  # noqa: F401  (re-exported: the config's o
     tpu_topology,
 )
 from workloads.config_resilience import ResilienceConfig
+from workloads.config_types import Float, Int
+from workloads.config_types import StrictModel as _Strict
 from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-exported
 
 # The model's embedding table is padded to a multiple of this, so it shards evenly.
 VOCAB_PAD_MULTIPLE = 128
 
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-
-
-class _Strict(BaseModel):
-    # Unknown keys are errors: a typo in a YAML file must not be silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DatasetConfig(_Strict):
@@ -76,12 +74,12 @@ class DatasetConfig(_Strict):
         description="Invalid UTF-8 in a source: 'strict' fails naming the file and byte "
         "offset; 'replace' substitutes U+FFFD.",
     )
-    seq_len: int = Field(128, ge=8, le=32768, description="Tokens per training sequence.")
-    eval_fraction: float = Field(
+    seq_len: Int = Field(128, ge=8, le=32768, description="Tokens per training sequence.")
+    eval_fraction: Float = Field(
         0.02, gt=0.0, lt=0.5, description="Fraction of documents held out for evaluation."
     )
-    num_shards: int = Field(4, ge=1, le=4096, description="ArrayRecord shards for the train split.")
-    max_bytes: int | None = Field(
+    num_shards: Int = Field(4, ge=1, le=4096, description="ArrayRecord shards for the train split.")
+    max_bytes: Int | None = Field(
         None,
         ge=1,
         description="Use whole source files, in order, until their sizes reach this many "
@@ -89,7 +87,7 @@ class DatasetConfig(_Strict):
     )
     # exclude=True: the worker count never changes the shards' bytes, so it must not change
     # the training hash either (a rerun with more workers resumes the same run).
-    workers: int = Field(
+    workers: Int = Field(
         0,
         ge=0,
         le=256,
@@ -139,11 +137,11 @@ class ModelConfig(_Strict):
         description="Named size (tiny, small, base) filling d_model, n_layers, n_heads and "
         "d_ff; any of those given explicitly overrides it. None: free-form.",
     )
-    d_model: int = Field(128, ge=8, description="Width of the residual stream.")
-    n_layers: int = Field(2, ge=1, description="Transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads (d_model must divide by it).")
-    d_ff: int = Field(512, ge=8, description="Hidden width of the MLP.")
-    max_seq_len: int = Field(1024, ge=8, description="Longest sequence the model accepts.")
+    d_model: Int = Field(128, ge=8, description="Width of the residual stream.")
+    n_layers: Int = Field(2, ge=1, description="Transformer blocks.")
+    n_heads: Int = Field(4, ge=1, description="Attention heads (d_model must divide by it).")
+    d_ff: Int = Field(512, ge=8, description="Hidden width of the MLP.")
+    max_seq_len: Int = Field(1024, ge=8, description="Longest sequence the model accepts.")
     dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="Compute dtype of activations and matmuls."
     )
@@ -154,8 +152,10 @@ class ModelConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _apply_size(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("size") in MODEL_SIZES:
-            return {**MODEL_SIZES[data["size"]], **data}
+        size = data.get("size") if isinstance(data, dict) else None
+        # isinstance first: `size: [a]` is unhashable here; the Literal field reports it.
+        if isinstance(size, str) and size in MODEL_SIZES:
+            return {**MODEL_SIZES[size], **data}
         return data
 
 
@@ -166,18 +166,14 @@ FLOAT32_MAX = 3.4028234663852886e38
 class TrainConfig(_Strict):
     """Optimisation and checkpointing."""
 
-    steps: int = Field(100, ge=1, description="Optimizer steps in the whole run.")
-    batch_size: int = Field(32, ge=1, description="Global batch size in sequences.")
-    learning_rate: float = Field(
-        3e-3, gt=0, allow_inf_nan=False, description="Peak AdamW learning rate."
-    )
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps before cosine decay.")
-    weight_decay: float = Field(
-        0.1, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay."
-    )
-    checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every K steps.")
-    keep_checkpoints: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
-    log_every: int = Field(10, ge=1, description="Write step metrics every N steps.")
+    steps: Int = Field(100, ge=1, description="Optimizer steps in the whole run.")
+    batch_size: Int = Field(32, ge=1, description="Global batch size in sequences.")
+    learning_rate: Float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+    warmup_steps: Int = Field(10, ge=0, description="Linear warmup steps before cosine decay.")
+    weight_decay: Float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
+    checkpoint_every: Int = Field(50, ge=1, description="Save a checkpoint every K steps.")
+    keep_checkpoints: Int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    log_every: Int = Field(10, ge=1, description="Write step metrics every N steps.")
 
     @field_validator("learning_rate", "weight_decay")
     @classmethod
@@ -190,8 +186,8 @@ class TrainConfig(_Strict):
 class EvalConfig(_Strict):
     """Evaluation of the verified checkpoint on the held-out shards."""
 
-    batch_size: int = Field(16, ge=1, description="Sequences per evaluation batch.")
-    max_batches: int = Field(20, ge=1, description="Evaluate at most this many batches.")
+    batch_size: Int = Field(16, ge=1, description="Sequences per evaluation batch.")
+    max_batches: Int = Field(20, ge=1, description="Evaluate at most this many batches.")
 
 
 class MeshConfig(_Strict):
@@ -200,9 +196,9 @@ class MeshConfig(_Strict):
     One axis may be -1, meaning "the devices the other axes leave".
     """
 
-    data: int = Field(8, ge=-1, description="Data-parallel axis (replicated parameters).")
-    fsdp: int = Field(1, ge=-1, description="Fully-sharded data-parallel axis.")
-    tensor: int = Field(1, ge=-1, description="Tensor-parallel axis (attention heads, MLP).")
+    data: Int = Field(8, ge=-1, description="Data-parallel axis (replicated parameters).")
+    fsdp: Int = Field(1, ge=-1, description="Fully-sharded data-parallel axis.")
+    tensor: Int = Field(1, ge=-1, description="Tensor-parallel axis (attention heads, MLP).")
 
     @model_validator(mode="after")
     def _no_zero(self) -> MeshConfig:
@@ -240,7 +236,7 @@ class PipelineConfig(_Strict):
         description="Name of the run; running again with the same name resumes it from its "
         "checkpoints. Lowercase letters, digits and dashes. Empty: a new name is generated.",
     )
-    seed: int = Field(
+    seed: Int = Field(
         0, ge=0, le=2**32 - 1, description="Seed for parameter init and data shuffling (uint32)."
     )
     dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Input corpus.")
@@ -288,70 +284,6 @@ class PipelineConfig(_Strict):
 def padded_vocab_size(vocab_size: int) -> int:
     """The embedding table's row count: vocab rounded up so it shards on any mesh axis."""
     return int(math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
-
-
-def cross_field_problems(cfg: PipelineConfig) -> list[str]:
-    """Every inconsistency between fields, each message naming the fields involved."""
-    m, mesh, t = cfg.model, cfg.mesh, cfg.train
-    problems: list[str] = []
-    mesh_size = mesh.data * mesh.fsdp * mesh.tensor
-    if mesh_size != cfg.slice.devices:
-        problems.append(
-            f"mesh.data*mesh.fsdp*mesh.tensor = {mesh.data}*{mesh.fsdp}*{mesh.tensor} = "
-            f"{mesh_size} does not equal slice.devices = {cfg.slice.devices}"
-        )
-    dp = mesh.data * mesh.fsdp
-    if t.batch_size % dp:
-        problems.append(
-            f"train.batch_size = {t.batch_size} is not divisible by the data-parallel size "
-            f"mesh.data*mesh.fsdp = {dp}"
-        )
-    if m.d_model % m.n_heads:
-        problems.append(
-            f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"
-        )
-    elif (m.d_model // m.n_heads) % 2:
-        problems.append(
-            f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even (rotary)"
-        )
-    if m.n_heads % mesh.tensor:
-        problems.append(
-            f"model.n_heads = {m.n_heads} is not divisible by mesh.tensor = {mesh.tensor}"
-        )
-    for name in ("d_model", "d_ff"):
-        value = getattr(m, name)
-        for axis in ("fsdp", "tensor"):
-            size = getattr(mesh, axis)
-            if name == "d_model" and axis == "tensor":
-                continue  # d_model is never split over the tensor axis
-            if value % size:
-                problems.append(f"model.{name} = {value} is not divisible by mesh.{axis} = {size}")
-    hosts = cfg.slice.hosts
-    if cfg.slice.devices % hosts:
-        problems.append(
-            f"slice.devices = {cfg.slice.devices} is not divisible by slice.hosts = {hosts}"
-        )
-    elif dp % hosts:
-        problems.append(
-            f"mesh.data*mesh.fsdp = {dp} is not divisible by slice.hosts = {hosts}: each host "
-            "feeds its own rows of the batch"
-        )
-    if cfg.slice.provider == "gcp":
-        for name, actual in (("priced_as", "accelerator_type"), ("capacity", "capacity")):
-            if getattr(cfg.cost, name):
-                problems.append(
-                    f"cost.{name} = {getattr(cfg.cost, name)!r} is for local slices; a gcp "
-                    f"slice is priced at slice.{actual} = {getattr(cfg.slice, actual)!r}"
-                )
-    if cfg.dataset.seq_len > m.max_seq_len:
-        problems.append(
-            f"dataset.seq_len = {cfg.dataset.seq_len} exceeds model.max_seq_len = {m.max_seq_len}"
-        )
-    if t.warmup_steps >= t.steps and t.steps > 1:
-        problems.append(
-            f"train.warmup_steps = {t.warmup_steps} must be below train.steps = {t.steps}"
-        )
-    return problems
 
 
 def training_hash(cfg: PipelineConfig) -> str:

@@ -9,14 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from workloads.config_resilience import ChaosConfig
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+from workloads.config_types import Float, Int
+from workloads.config_types import StrictModel as _Strict
 
 # TPU generations: (devices JAX sees per chip-count unit, chips per host on multi-host
 # slices, largest single-host slice in chips). The number after the dash in an accelerator
@@ -62,18 +59,18 @@ class SliceConfig(_Strict):
         description="'local': the workload as processes over virtual CPU devices; 'gcp': a "
         "Cloud TPU VM slice (needs a gs:// storage.root).",
     )
-    devices: int = Field(
+    devices: Int = Field(
         8, ge=1, le=256, description="Devices in the slice (gcp: taken from accelerator_type)."
     )
-    hosts: int = Field(
+    hosts: Int = Field(
         1,
         ge=1,
         le=64,
         description="Hosts (one JAX process each) the devices are spread over (gcp: taken "
         "from accelerator_type).",
     )
-    poll_interval_s: float = Field(1.0, gt=0, description="Seconds between slice state checks.")
-    heartbeat_timeout_s: float = Field(
+    poll_interval_s: Float = Field(1.0, gt=0, description="Seconds between slice state checks.")
+    heartbeat_timeout_s: Float = Field(
         600.0, gt=0, description="A running workload silent this long is treated as failed."
     )
     project: str | None = Field(
@@ -96,16 +93,16 @@ class SliceConfig(_Strict):
         "queue_timeout_s; 'reserved' uses the project's reservation. The cost ledger prices "
         "gcp slices by it ('reserved' at the on-demand price unless cost.usd_per_chip_hour).",
     )
-    queue_timeout_s: float = Field(
+    queue_timeout_s: Float = Field(
         3600.0, gt=0, description="gcp: a spot request still waiting this long is cancelled."
     )
-    provision_timeout_s: float = Field(
+    provision_timeout_s: Float = Field(
         1800.0, gt=0, description="gcp: longest wait for the slice to become READY."
     )
-    provision_attempts: int = Field(
+    provision_attempts: Int = Field(
         3, ge=1, le=20, description="gcp: create attempts per zone on quota/capacity errors."
     )
-    max_lifetime_s: float = Field(
+    max_lifetime_s: Float = Field(
         86400.0, gt=0, description="gcp: the `ttl` label; the reaper deletes a slice past it."
     )
     service_account: str | None = Field(
@@ -224,7 +221,7 @@ class CostConfig(_Strict):
         description="A YAML/JSON price table (USD per chip-hour per TPU family and region, "
         "the shape of tasks/tpu_prices.yaml) replacing the one shipped with tpupipe.",
     )
-    usd_per_chip_hour: float | None = Field(
+    usd_per_chip_hour: Float | None = Field(
         None,
         gt=0,
         description="One price per chip-hour for this run (e.g. a committed-use rate); "

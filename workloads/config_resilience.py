@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from workloads.config_types import Float, Int
+from workloads.config_types import StrictModel as _Strict
 
 
 class ChaosConfig(_Strict):
@@ -20,17 +19,17 @@ class ChaosConfig(_Strict):
     signal: Literal["TERM", "KILL"] = Field(
         "TERM", description="TERM: a preemption notice (saves, exits 75); KILL: a hard loss."
     )
-    at_step: int | None = Field(
+    at_step: Int | None = Field(
         None, ge=1, description="Signal once an attempt has trained this many steps."
     )
-    after_s: float | None = Field(
+    after_s: Float | None = Field(
         None, gt=0, description="Signal this many seconds after an attempt starts."
     )
     during_save: bool = Field(
         False, description="Signal right after a checkpoint save starts, while it is written."
     )
-    times: int = Field(0, ge=0, description="How many attempts of the run are hit.")
-    fail_creates: int = Field(
+    times: Int = Field(0, ge=0, description="How many attempts of the run are hit.")
+    fail_creates: Int = Field(
         0, ge=0, description="The run's first N slice creates fail with a capacity error."
     )
 
@@ -47,20 +46,20 @@ class ChaosConfig(_Strict):
 class ResilienceConfig(_Strict):
     """Retry budgets: preemptions are expected, failures are not."""
 
-    max_preemptions: int = Field(
+    max_preemptions: Int = Field(
         20, ge=0, description="Preempted attempts tolerated; each re-provisions and resumes."
     )
-    max_failures: int = Field(
+    max_failures: Int = Field(
         3,
         ge=0,
         description="Failed slice creates (capacity, quota) retried with backoff before the "
         "run fails. A workload bug is never retried.",
     )
-    backoff_s: float = Field(10.0, gt=0, description="First wait after a failed create.")
-    backoff_jitter: float = Field(
+    backoff_s: Float = Field(10.0, gt=0, description="First wait after a failed create.")
+    backoff_jitter: Float = Field(
         0.5, ge=0, le=1, description="Random fraction added to each wait, so runs spread out."
     )
-    heartbeat_confirm_s: float = Field(
+    heartbeat_confirm_s: Float = Field(
         30.0,
         ge=0,
         description="A stale heartbeat is checked again after this long before the attempt "
