@@ -126,6 +126,14 @@ def test_a_bad_value_in_the_file_is_shown_with_its_line(tmp_path):
         load_config(path)
 
 
+def test_a_key_given_twice_in_an_override_value_is_named(tmp_path):
+    # As in the file: YAML would silently keep the last `steps`.
+    with pytest.raises(
+        ConfigError, match=r"^--set 'train=\{steps: 1, steps: 2\}': .* 'steps' twice"
+    ):
+        load_config(write(tmp_path, BASE), ["train={steps: 1, steps: 2}"])
+
+
 def test_an_override_key_with_an_empty_part_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--set 'train\.\.steps=1': the key .* empty part"):
         load_config(write(tmp_path, BASE), ["train..steps=1"])
@@ -158,6 +166,13 @@ def test_string_overrides_keep_their_text_and_null_is_none(tmp_path):
     assert load_config(path, ["run_name='abc'"]).run_name == "abc"
     with pytest.raises(ConfigError, match=r"^--set: run_name: run_name 'a: b' must be"):
         load_config(path, ["run_name=a: b"])
+
+
+@pytest.mark.parametrize("text", ['run_name: ""', "run_name: ''", "run_name: null"])
+def test_an_empty_run_name_means_a_new_one_as_documented(tmp_path, text):
+    # The field's description (the Prefect form's help) says empty generates a name, and
+    # the form may send "" for a cleared box.
+    assert load_config(write(tmp_path, BASE.replace("run_name: base", text))).run_name is None
 
 
 @pytest.mark.parametrize("name", ["0x1F", "1_000", "No", "1.5"])

@@ -257,6 +257,8 @@ class PipelineConfig(_Strict):
     @field_validator("run_name")
     @classmethod
     def _run_name_shape(cls, value: str | None) -> str | None:
+        if value == "":
+            return None  # as documented (and as the planner reads it): a new name is generated
         if value is not None and not _RUN_NAME.match(value):
             raise ValueError(
                 f"run_name {value!r} must be 1-63 lowercase letters, digits or dashes, "

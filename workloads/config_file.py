@@ -93,7 +93,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     is the name "123"; null and quoted strings aside); an empty value is None.
 
     Raises:
-        ConfigError: naming the override if it is not `key=value` or its value not YAML.
+        ConfigError: naming the override if it is not `key=value`, its value not YAML or
+            a key given twice in it.
     """
     key, sep, raw = text.partition("=")
     path = [part.strip() for part in key.split(".")]
@@ -113,6 +114,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except (yaml.YAMLError, RecursionError) as exc:
         problem = _yaml_problem(exc) if isinstance(exc, yaml.YAMLError) else "nested too deeply"
         raise ConfigError(f"--set {text!r}: the value is not valid YAML: {problem}") from None
+    duplicate = duplicate_key(node)  # as in the file: YAML would keep the last one silently
+    if duplicate:
+        raise ConfigError(f"--set {text!r}: the value gives the key {duplicate[0]!r} twice")
     return path, strings_as_written(node, value, annotation)
 
 
