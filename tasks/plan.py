@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from etils import epath
 from pydantic import BaseModel, Field
 
-from workloads.config import PipelineConfig, WorkloadConfig
+from workloads.config import PipelineConfig, WorkloadConfig, training_fields
 from workloads.config_file import ConfigError
 from workloads.rundir import CONFIG, write_json_atomic
 
@@ -102,8 +102,7 @@ def check_resumable(config: PipelineConfig, plan: RunPlan) -> None:
     stored = _stored_config(plan)
     if stored is None or stored.config_hash == plan.config_hash:
         return
-    old = stored.pipeline.model_dump(include={"seed", "dataset", "model", "train"}, mode="json")
-    new = config.model_dump(include={"seed", "dataset", "model", "train"}, mode="json")
+    old, new = training_fields(stored.pipeline), training_fields(config)
     diffs = [f"{k}: {old_v!r} -> {new_v!r}" for k, old_v, new_v in _diff(old, new)]
     raise ConfigError(
         f"run {plan.run_name!r} already exists in {plan.run_dir} with a different training "
@@ -132,7 +131,8 @@ def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: st
     """Write the run's resolved config.json, which the workload reads; returns its path.
 
     Training fields never change under a run (`check_resumable` guarantees it); where and
-    how it runs (mesh, slice, eval) may differ between attempts, so the file is rewritten.
+    how it runs (mesh, slice, eval, log and checkpoint cadence) may differ between attempts,
+    so the file is rewritten.
     """
     path = epath.Path(plan.run_dir) / CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)

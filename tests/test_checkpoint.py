@@ -10,7 +10,13 @@ import pytest
 from workloads import checkpoint
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
 from workloads.step_metrics import NonFiniteError
-from workloads.trainer import create_train_state, make_mesh
+from workloads.trainer import (
+    BATCH_KEYS,
+    create_train_state,
+    make_mesh,
+    make_train_step,
+    place_batch,
+)
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
 TRAIN = TrainConfig(steps=10, batch_size=8, warmup_steps=1)
@@ -69,6 +75,21 @@ def test_a_non_finite_state_is_never_saved(tmp_path, state):
         save(tmp_path, 4, state.arrays)
     assert checkpoint.latest_step(str(tmp_path)) is None
     assert not list((tmp_path / "checkpoints").glob("4*"))
+
+
+def test_saves_reuse_the_check_compiled_after_the_first_step(tmp_path, state):
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    step = make_train_step(state.graphdef, mesh)
+    batch = {key: np.ones((8, 64), np.int32) for key in BATCH_KEYS}
+    arrays, _ = step(state.arrays, place_batch(batch, mesh))
+    checkpoint._finite_each.clear_cache()  # earlier tests may have compiled it
+    checkpoint.prepare_saves(arrays)
+    compiled = checkpoint._finite_each._cache_size()
+    save(tmp_path, 1, arrays)
+    arrays, _ = step(arrays, place_batch(batch, mesh))
+    save(tmp_path, 2, arrays)
+    assert compiled == 1
+    assert checkpoint._finite_each._cache_size() == compiled
 
 
 @pytest.fixture()

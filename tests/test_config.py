@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flows.cli import main as cli_main
+from tasks.plan import check_resumable, plan_run, write_workload_config
 from tests.helpers import REPO
 from workloads.config import PipelineConfig, padded_vocab_size
 from workloads.config_file import ConfigError, load_config
@@ -88,6 +89,28 @@ def test_training_hash_ignores_where_and_how_it_runs():
     b = PipelineConfig(run_name="b", storage={"root": "/elsewhere"}, eval={"max_batches": 3})
     c = PipelineConfig(train={"learning_rate": 1e-3})
     assert a.config_hash() == b.config_hash() != c.config_hash()
+
+
+def test_cadence_and_names_do_not_change_what_is_trained():
+    base = PipelineConfig(model={"size": "small"})
+    same = PipelineConfig(
+        model=base.model.model_dump(exclude={"size"}),
+        train={"checkpoint_every": 7, "keep_checkpoints": 1, "log_every": 1},
+        dataset={"workers": 2},
+    )
+    assert same.config_hash() == base.config_hash()
+
+
+def test_a_rerun_may_change_cadence_but_not_training(tmp_path):
+    cfg = PipelineConfig(run_name="r", storage={"root": str(tmp_path)})
+    plan = plan_run(cfg)
+    write_workload_config(cfg, plan, str(tmp_path / "data"))
+    cadence = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_every": 1})})
+    check_resumable(cadence, plan_run(cadence))
+    lr = cfg.model_copy(update={"train": cfg.train.model_copy(update={"learning_rate": 1e-4})})
+    only_lr = r"config \(train.learning_rate: 0.003 -> 0.0001\); resume it"
+    with pytest.raises(ConfigError, match=only_lr):
+        check_resumable(lr, plan_run(lr))
 
 
 def test_padded_vocab():

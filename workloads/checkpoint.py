@@ -81,6 +81,17 @@ def save(
     mngr.save(step, args=args, force=True)
 
 
+def prepare_saves(arrays: dict) -> None:
+    """Compile the finite check every save runs, for the layouts of `arrays`.
+
+    Call it with the first train step's output (jit may lay out replicated arrays
+    differently from the initial state, and the check compiles per layout). Otherwise
+    the first save pays the compile (0.1-0.3 s here) in the middle of training, where it
+    competes with the train step for the host's cores.
+    """
+    non_finite_array(_pure(arrays))
+
+
 def _refuse_non_finite(step: int, state: dict) -> None:
     problem = non_finite_array(state)
     if problem:

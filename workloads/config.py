@@ -288,9 +288,26 @@ def padded_vocab_size(vocab_size: int) -> int:
     return int(math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
 
 
+# Fields under the training sections that leave the trained bytes alone: how often to log
+# and checkpoint (an attempt after a preemption may change them), shard-writing workers
+# (the same bytes for any count), and the size name (the dimensions it filled are hashed).
+_NOT_TRAINING = {
+    "dataset": {"workers"},
+    "model": {"size"},
+    "train": {"checkpoint_every", "keep_checkpoints", "log_every"},
+}
+
+
+def training_fields(cfg: PipelineConfig) -> dict:
+    """The config fields that change the bytes of the trained parameters, as JSON."""
+    return cfg.model_dump(
+        include={"seed", "dataset", "model", "train"}, exclude=_NOT_TRAINING, mode="json"
+    )
+
+
 def training_hash(cfg: PipelineConfig) -> str:
     """sha256 over the fields that change the bytes of the trained parameters."""
-    payload = cfg.model_dump(include={"seed", "dataset", "model", "train"}, mode="json")
+    payload = training_fields(cfg)
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

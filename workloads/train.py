@@ -193,6 +193,8 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             if save_now or step % cfg.train.log_every == 0 or step == start + 1:
                 rows = window.flush()  # raises NonFiniteError before a bad state is saved
                 if step == start + 1:
+                    # On the step's output layouts, which may differ from the initial ones.
+                    checkpoint.prepare_saves(arrays)
                     report.event("first_step", step=step, resumed_from=start)
                     rows[0].update(
                         startup_s=time.perf_counter() - started,
