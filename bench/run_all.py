@@ -156,6 +156,19 @@ def workload_rows(r: dict) -> list[dict]:
             ("without, tokens/s", round(none_s)),
             ">= 0.97",
         ),
+        *(
+            [
+                _row(
+                    f"minimal loop writing its state every {r['checkpoint_every']} steps in "
+                    "the background ÷ without (tokens/s)",
+                    f["plain_writes_over_none"],
+                    ("with plain writes, tokens/s", round(r["minimal_writes_tokens_per_s"])),
+                    ("without, tokens/s", round(r["minimal_tokens_per_s"])),
+                )
+            ]
+            if "plain_writes_over_none" in f
+            else []
+        ),
         _row(
             "resume compile time, warm cache ÷ cold",
             f["warm_compile_over_cold"],

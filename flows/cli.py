@@ -60,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
+    from workloads.sources import DatasetError
 
     try:
         run = tpu_training_pipeline(config=config)
+    except (ConfigError, DatasetError) as exc:
+        # The config or its input must change (the flow raises these before provisioning).
+        print(f"invalid config or input:\n{exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         print(f"pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -37,6 +37,7 @@ RESULTS = {
         "checkpoint_every": 10,
         "peak_flops_per_s": 3e11,
         "minimal_tokens_per_s": 2000.0,
+        "minimal_writes_tokens_per_s": 1900.0,
         "textbook": {"tokens_per_s": 1800.0, "flops_per_s": 1.8e11},
         "runs": {
             "cold_no_ckpt": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 5.0},
@@ -54,6 +55,7 @@ RESULTS = {
             "warm_compile_over_cold": 0.1,
             "textbook_flops_over_matmul_peak": 0.6,
             "system_malloc_over_chosen": 0.8,
+            "plain_writes_over_none": 0.95,
         },
     },
     "goodput": {
@@ -76,7 +78,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 15
+    assert len(rows) == 16
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -98,6 +100,11 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     assert malloc["numerator"]["measured"] == 1600
     ckpt = by_figure["async checkpoints every 10 steps ÷ none (tokens/s)"]
     assert ckpt["numerator"]["measured"] == 1990 and ckpt["reference"]["measured"] == 2000
+    floor = by_figure[
+        "minimal loop writing its state every 10 steps in the background ÷ without (tokens/s)"
+    ]
+    assert floor["value"] == 0.95 and floor["met"] is None
+    assert floor["numerator"]["measured"] == 1900 and floor["reference"]["measured"] == 2000
     writer = by_figure["ArrayRecord writer alone ÷ plain read-and-write (warm cache)"]
     assert writer["value"] == 0.35 and writer["met"] is None
     ideal = next(r for r in rows if r["figure"].startswith("ideal 1 → 2 worker speed-up"))
@@ -112,7 +119,8 @@ def test_reference_rows_read_as_references_in_markdown():
     # A result written before the textbook reference existed still gives its rows.
     old = {**RESULTS["workload"]}
     old.pop("textbook")
-    old["figures"] = {k: v for k, v in old["figures"].items() if k != "system_malloc_over_chosen"}
+    newer = ("system_malloc_over_chosen", "plain_writes_over_none")
+    old["figures"] = {k: v for k, v in old["figures"].items() if k not in newer}
     old.pop("best")
     assert len(run_all.ROWS["workload"](old)) == 4
 

@@ -206,6 +206,20 @@ def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
     ]
 
 
+def test_cli_refuses_a_rerun_that_would_train_something_else(tiny_run, capsys, tmp_path):
+    from flows.cli import main as cli_main
+
+    config, root, first = tiny_run
+    path = tmp_path / "rerun.yaml"
+    path.write_text(json.dumps(config.model_dump(mode="json")))  # JSON is YAML
+    slices = _slices_left(root)
+    code = cli_main(["run", "--config", str(path), "--set", "train.learning_rate=0.001"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"run {first.run_id!r} already exists" in err and "train.learning_rate" in err
+    assert _slices_left(root) == slices
+
+
 def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_harness):
     from flows.pipeline import tpu_training_pipeline
 
