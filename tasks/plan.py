@@ -93,17 +93,23 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     )
 
 
-def check_resumable(config: PipelineConfig, plan: RunPlan) -> None:
+def check_resumable(config: PipelineConfig, plan: RunPlan) -> RunPlan:
     """A rerun under an existing name must train the same thing, or it would mix runs.
+
+    Returns the plan to run with: for an existing run, with the hash its checkpoints carry
+    (a run created by an older version of this code keeps its hash, so an upgrade does not
+    turn its checkpoints into another config's).
 
     Raises:
         ConfigError: naming every training field that differs from the stored run.
     """
     stored = _stored_config(plan)
-    if stored is None or stored.config_hash == plan.config_hash:
-        return
+    if stored is None:
+        return plan
     old, new = training_fields(stored.pipeline), training_fields(config)
     diffs = [f"{k}: {old_v!r} -> {new_v!r}" for k, old_v, new_v in _diff(old, new)]
+    if not diffs:
+        return plan.model_copy(update={"config_hash": stored.config_hash})
     raise ConfigError(
         f"run {plan.run_name!r} already exists in {plan.run_dir} with a different training "
         f"config ({'; '.join(diffs)}); resume it with its original config or choose a new "

@@ -95,7 +95,7 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     dataset = config.dataset
     files = data.resolve_sources(dataset.sources, source_storage(dataset.sources))
     data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
-    check_resumable(config, plan)
+    plan = check_resumable(config, plan)
     price = price_for(config)
     logger = get_run_logger()
     logger.info("run %s: %d source files, run directory %s", plan.run_id, len(files), plan.run_dir)

@@ -106,11 +106,19 @@ def test_a_rerun_may_change_cadence_but_not_training(tmp_path):
     plan = plan_run(cfg)
     write_workload_config(cfg, plan, str(tmp_path / "data"))
     cadence = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_every": 1})})
-    check_resumable(cadence, plan_run(cadence))
+    assert check_resumable(cadence, plan_run(cadence)).config_hash == plan.config_hash
     lr = cfg.model_copy(update={"train": cfg.train.model_copy(update={"learning_rate": 1e-4})})
     only_lr = r"config \(train.learning_rate: 0.003 -> 0.0001\); resume it"
     with pytest.raises(ConfigError, match=only_lr):
         check_resumable(lr, plan_run(lr))
+
+
+def test_a_run_keeps_the_hash_its_checkpoints_carry(tmp_path):
+    # A run created by an older version, whose hash covered other fields: same training.
+    cfg = PipelineConfig(run_name="r", storage={"root": str(tmp_path)})
+    old = plan_run(cfg).model_copy(update={"config_hash": "older-hash"})
+    write_workload_config(cfg, old, str(tmp_path / "data"))
+    assert check_resumable(cfg, plan_run(cfg)).config_hash == "older-hash"
 
 
 def test_padded_vocab():
