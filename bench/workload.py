@@ -6,7 +6,8 @@ Each measurement runs in its own process (so in-memory compile caches cannot hel
 CPU device, in float32 so the model's FLOP/s compare with a float32 matmul peak:
 
 Runs with and without checkpoints alternate, two of each, and each side counts its better
-run (the peak is the best of five matmuls, the minimal loop the better of two runs):
+run (the peak is the best of five matmuls, measured first and last, the minimal loop the
+better of two runs):
 
 - model FLOP/s of the workload ÷ the measured matmul peak (goal ≥ 0.80 for `small`);
 - the workload's tokens/s ÷ a minimal Flax NNX loop of the same model (goal ≥ 0.95);
@@ -241,6 +242,10 @@ def main() -> int:
         warm = _workload(root, args.model, args.steps, 10_000, "warm", cache)
         ckpt_2 = _workload(root, args.model, args.steps, args.every, "ckpt-2", cache)
         glibc = _workload(root, args.model, args.steps, 10_000, "glibc", cache, "system")
+        # Measured again at the end: a neighbour busy during the first measurement would
+        # lower the peak and flatter every ratio over it.
+        peaks = [peak_f, json.loads(_child([*me, "--child", "peak"]))["flops_per_s"]]
+        peak_f = max(peaks)
     best = {
         "no_ckpt_tokens_per_s": max(cold["tokens_per_s"], warm["tokens_per_s"]),
         "ckpt_tokens_per_s": max(ckpt["tokens_per_s"], ckpt_2["tokens_per_s"]),
@@ -269,6 +274,7 @@ def main() -> int:
         "steps": args.steps,
         "checkpoint_every": args.every,
         "peak_flops_per_s": peak_f,
+        "peak_flops_per_s_first_last": peaks,
         "minimal_tokens_per_s": minimal,
         "minimal_writes_tokens_per_s": minimal_writes,
         "textbook": textbook,
