@@ -55,7 +55,7 @@ lint: venv
 test: lint bq-emulator chromium tcmalloc
 	$(VENV)/bin/pytest
 
-# Every benchmark under bench/ (about 10 minutes on 2 cores): bench/results/<date>.json
+# Every benchmark under bench/ (12-20 minutes on 2 cores): bench/results/<date>.json
 # and .md, one row per figure with the two measurements it divides.
 bench: venv tcmalloc
 	$(PY) bench/run_all.py
