@@ -119,7 +119,6 @@ def _plain_writer(directory: Path):
     import threading
 
     import jax
-    import numpy as np
 
     pending: list[threading.Thread] = []
 
@@ -127,7 +126,7 @@ def _plain_writer(directory: Path):
         for thread in pending:
             thread.join()
         pending.clear()
-        host = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+        host = jax.tree.leaves(jax.device_get(state))  # numpy arrays
 
         def run() -> None:
             with open(directory / f"{step}.bin", "wb") as out:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
-    from workloads.sources import DatasetError
+    from tasks.prepare import DatasetError
 
     try:
         run = tpu_training_pipeline(config=config)
