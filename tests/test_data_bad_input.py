@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import threading
 import time
 
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tests.test_data import cfg_for, make_corpus
 from tests.test_data_formats import TEXTS, cfg, documents, write_jsonl
 from workloads import data, packing
+from workloads.config import DatasetConfig
 from workloads.data import DatasetError
 
 ROWS = [{"text": t} for t in TEXTS]
@@ -236,3 +238,41 @@ def test_a_short_eval_split_advises_eval_fraction_not_num_shards(tmp_path):
     corpus = make_corpus(tmp_path)
     with pytest.raises(DatasetError, match=r"eval split .*\(eval_fraction=.*raise eval_fraction"):
         data.shard_dataset(cfg_for(corpus, seq_len=1024, eval_fraction=1e-9), tmp_path / "o")
+
+
+def test_hidden_files_and_directories_are_not_corpus(tmp_path):
+    from infra.storage import source_storage
+
+    corpus = make_corpus(tmp_path)
+    (corpus / ".git" / "objects").mkdir(parents=True)
+    (corpus / ".git" / "objects" / "ab").write_bytes(b"x\x9c\xff\xfe binary")
+    (corpus / "sub" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1\xff")
+    visible = sorted(f.key for f in data.resolve_sources([str(corpus / "**" / "*.txt")]))
+    assert len(visible) == 6
+    uri = f"file://{corpus}/"
+    for entries, store in (([str(corpus)], None), ([uri], source_storage([uri]))):
+        assert sorted(f.key for f in data.resolve_sources(entries, store)) == visible, entries
+    # Named outright, or by a pattern that asks for dot-names, a hidden file is read.
+    named = data.resolve_sources([str(corpus / "sub" / ".DS_Store")])
+    assert [f.key for f in named] == [".DS_Store"]
+    keys = [f.key for f in data.resolve_sources([f"{uri}sub/.*"], source_storage([uri]))]
+    assert keys == [".DS_Store"]
+    # The shards are those of the corpus without them (strict UTF-8 would refuse them).
+    result = data.shard_dataset(cfg_for(corpus), tmp_path / "out")
+    assert len(result.manifest["sources"]) == 6
+
+
+def test_a_short_train_split_shows_both_splits_sizes(tmp_path):
+    # One large document hashed into eval leaves train short: the message shows where the
+    # text went, so the user sees that eval_fraction, not the corpus size, is the lever.
+    (tmp_path / "c.txt").write_text("short one\nshort two\n" + "w" * 5000 + "\n")
+    cfg = DatasetConfig(
+        sources=[str(tmp_path / "c.txt")], text_unit="line", seq_len=64, eval_fraction=0.3
+    )
+    assert [packing.in_eval(f"c.txt#{n}", 0.3) for n in range(3)] == [False, False, True]
+    with pytest.raises(DatasetError) as err:
+        data.shard_dataset(cfg, tmp_path / "out")
+    message = str(err.value)
+    assert re.search(r"train \d+ tokens in \d document\(s\), eval \d+ tokens in \d", message)
+    train, evals = (int(n) for n in re.findall(r"(\d+) tokens", message))
+    assert train + evals == 5000 + len("short one") + len("short two") + 3  # text + EODs

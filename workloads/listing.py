@@ -1,9 +1,10 @@
 """Which files a dataset is made of: expanding source entries into `SourceFile`s.
 
-A source entry is a local file, a directory (every regular file below it), a glob (`**`
-allowed), `stdlib` (this Python's standard library `.py` files, a corpus every machine has) or
-a `scheme://` URI such as `gs://bucket/prefix` (every object under the prefix; `*`, `?` and
-`[...]` match within the listing). Local paths are handled here; URIs go through a
+A source entry is a local file, a directory (every regular file below it, hidden ones such
+as `.git/` or `.DS_Store` excepted), a glob (`**` allowed), `stdlib` (this Python's standard
+library `.py` files, a corpus every machine has) or a `scheme://` URI such as
+`gs://bucket/prefix` (every object under the prefix, hidden ones excepted likewise; `*`, `?`
+and `[...]` match within the listing). Local paths are handled here; URIs go through a
 `SourceStore` the caller passes in, so this module never imports a cloud SDK.
 
 Each file gets a `key`: its path relative to the root of the entry that named it (a file
@@ -192,7 +193,8 @@ def _walk(
     suffix: str = "",
 ) -> list[Located]:
     """Regular files below directory `top` (not following directory links, not entering
-    the `skip` directory nor ones called one of `names`), keyed relative to `root`.
+    the `skip` directory nor ones called one of `names`, skipping hidden files and
+    directories as globs do), keyed relative to `root`.
     `os.scandir` knows each entry's type without a `stat`, which matters for corpora of
     many small files; for the same reason a file's real path is `top`'s plus its
     relative path, unless the file is itself a link."""
@@ -209,6 +211,8 @@ def _walk(
                 f"dataset source directory {directory} is not readable: {exc.strerror}"
             ) from exc
         for e in entries:
+            if e.name.startswith("."):  # .git, .DS_Store, editors' swap files: not corpus
+                continue
             if e.is_dir(follow_symlinks=False):
                 if e.name not in names and not _is_skipped(e, skip):
                     pending.append(e.path)
@@ -257,6 +261,7 @@ def _expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
         listing = list(store.list(prefix))
     except Exception as exc:  # any backend failure, named by the entry the user gave
         raise DatasetError(f"cannot list dataset source {entry!r}: {exc}") from exc
+    hidden_ok = pattern is not None and "/." in pattern[len(root) - 1 :]  # asked for by name
     out = []
     for obj in listing:
         if obj.uri.endswith("/"):
@@ -266,6 +271,8 @@ def _expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
         if pattern is not None and not fnmatch.fnmatchcase(obj.uri, pattern):
             continue
         key = obj.uri.rsplit("/", 1)[1] if obj.uri == entry else obj.uri[len(root) :]
+        if obj.uri != entry and not hidden_ok and any(p.startswith(".") for p in key.split("/")):
+            continue  # as in local walks: an uploaded .git/ or .DS_Store is not corpus
         out.append(SourceFile(obj.uri, key, int(obj.size), int(obj.generation)))
     return out
 

@@ -94,9 +94,16 @@ def plan_splits(
                 else f"(eval_fraction={cfg.eval_fraction}); add text, lower seq_len or raise "
                 "eval_fraction"
             )
+            # Both splits' sizes: documents go to eval by a hash of their key, so with
+            # few documents one large one can take most of the text either way.
+            sizes = ", ".join(
+                f"{name} {splits[name]['tokens']} tokens in {splits[name]['documents']} "
+                "document(s)"
+                for name in SPLITS
+            )
             raise DatasetError(
                 f"the {split} split has {records} sequence(s) of seq_len={cfg.seq_len}, "
-                f"fewer than its {shards} shard(s) {advice}"
+                f"fewer than its {shards} shard(s) {advice} ({sizes})"
             )
         bounds = [records * i // shards for i in range(shards + 1)]
         s["records"] = records
