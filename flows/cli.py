@@ -54,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"invalid config:\n{exc}", file=sys.stderr)
         return 2
+    from tasks.prepare import DatasetError, check_inputs
+
     if args.command == "validate":
-        print(f"{args.config}: valid\n  cost: {price.chips} chips, {price.describe()}")
-        return 0
+        return _validate(args.config, config, price, check_inputs)
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
-    from tasks.prepare import DatasetError
 
     try:
         run = tpu_training_pipeline(config=config)
@@ -77,6 +77,26 @@ def main(argv: list[str] | None = None) -> int:
         f"eval loss {run.eval_loss:.3f} ({run.eval_bits_per_byte:.3f} bits/byte)\n"
         f"  run directory: {run.run_dir}\n"
         f"  metrics:       {metrics_path(config)} (tables runs, step_metrics, eval_metrics)"
+    )
+    return 0
+
+
+def _validate(path: str, config, price, check_inputs) -> int:
+    """`tpupipe validate`: the config's fields, then what it points at that this machine can
+    see (local sources, the tokenizer file, an existing local run); exit 0 or 2."""
+    from tasks.plan import plan_run
+    from tasks.prepare import DatasetError
+
+    remote = [s for s in config.dataset.sources if "://" in s]
+    try:
+        _, files = check_inputs(config, plan_run(config), remote=False)
+    except (ConfigError, DatasetError) as exc:
+        print(f"invalid config or input:\n{exc}", file=sys.stderr)
+        return 2
+    unchecked = f" ({len(remote)} remote source(s) checked when the run starts)" if remote else ""
+    print(
+        f"{path}: valid\n  sources: {files} local file(s){unchecked}\n"
+        f"  cost: {price.chips} chips, {price.describe()}"
     )
     return 0
 

@@ -19,7 +19,14 @@ from workloads.config import DatasetConfig, PipelineConfig
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
 
-__all__ = ["ArtifactProgress", "DatasetError", "shard_corpus", "shard_dataset", "validate_config"]
+__all__ = [
+    "ArtifactProgress",
+    "DatasetError",
+    "check_inputs",
+    "shard_corpus",
+    "shard_dataset",
+    "validate_config",
+]
 
 # Share of the progress bar each sharding stage fills (writing shards is the slower part).
 STAGE_SPAN = {"tokenize": (0.0, 40.0), "write": (40.0, 100.0)}
@@ -80,6 +87,31 @@ class ArtifactProgress:
             self.percent = 100.0
 
 
+def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> tuple[RunPlan, int]:
+    """What the config points at, checked before anything is spent: every source resolves,
+    the tokenizer file loads, and a rerun of an existing run trains the same thing.
+
+    Args:
+        config: The validated config.
+        plan: Its run plan (`tasks.plan.plan_run`).
+        remote: False skips what needs cloud access (`gs://` sources, a `gs://` run
+            directory): `tpupipe validate` checks what this machine can see.
+
+    Returns:
+        The plan to run with (see `check_resumable`) and the number of source files found.
+
+    Raises:
+        ConfigError / DatasetError: naming the field, file or source at fault.
+    """
+    dataset = config.dataset
+    sources = [s for s in dataset.sources if remote or "://" not in s]
+    files = data.resolve_sources(sources, source_storage(sources)) if sources else []
+    data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
+    if remote or "://" not in plan.run_dir:
+        plan = check_resumable(config, plan)
+    return plan, len(files)
+
+
 @task(name="validate-config", cache_policy=NONE)
 def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Checks that cost nothing: field and cross-field rules (already enforced when the
@@ -91,14 +123,10 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     """
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
-    plan = plan_run(config, flow_run_id)
-    dataset = config.dataset
-    files = data.resolve_sources(dataset.sources, source_storage(dataset.sources))
-    data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
-    plan = check_resumable(config, plan)
+    plan, files = check_inputs(config, plan_run(config, flow_run_id))
     price = price_for(config)
     logger = get_run_logger()
-    logger.info("run %s: %d source files, run directory %s", plan.run_id, len(files), plan.run_dir)
+    logger.info("run %s: %d source files, run directory %s", plan.run_id, files, plan.run_dir)
     logger.info("cost: %d chips, %s", price.chips, price.describe())
     return plan
 

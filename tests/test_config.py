@@ -131,3 +131,25 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     bad = write(tmp_path, "train: {batch_size: 30}\n")
     assert cli_main(["validate", "--config", str(bad)]) == 2
     assert "train.batch_size = 30" in capsys.readouterr().err
+
+
+def test_cli_validate_checks_what_the_config_points_at(tmp_path, capsys):
+    """Sources and tokenizer are checked too (no slice would start for them), except the
+    remote ones: validate needs no credentials."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text")
+    root = f"storage: {{root: {tmp_path / 'root'}}}\n"
+    cases = {
+        f"dataset: {{sources: [{tmp_path / 'nope'}]}}\n": f"'{tmp_path / 'nope'}' matches no file",
+        f"dataset: {{sources: [{corpus}], tokenizer: {tmp_path / 't.json'}}}\n": (
+            f"tokenizer file {tmp_path / 't.json'} cannot be read"
+        ),
+    }
+    for text, message in cases.items():
+        assert cli_main(["validate", "--config", str(write(tmp_path, text + root))]) == 2, text
+        assert message in capsys.readouterr().err
+    text = f"dataset: {{sources: [{corpus}, 'gs://no-such-bucket-here/x']}}\n" + root
+    assert cli_main(["validate", "--config", str(write(tmp_path, text))]) == 0
+    out = capsys.readouterr().out
+    assert "1 local file(s) (1 remote source(s) checked when the run starts)" in out
