@@ -142,6 +142,24 @@ def workload_rows(r: dict) -> list[dict]:
             if "textbook" in r
             else []
         ),
+        *(
+            [
+                _row(
+                    "the step's matmuls timed alone ÷ matmul peak (the first row's ceiling)",
+                    f["model_matmuls_over_matmul_peak"],
+                    ("step matmuls GFLOP/s", round(r["matmuls"]["flops_per_s"] / 1e9, 1)),
+                    ("2048² f32 matmul GFLOP/s", round(r["peak_flops_per_s"] / 1e9, 1)),
+                ),
+                _row(
+                    "workload model FLOP/s ÷ its matmuls alone (share of the step in matmuls)",
+                    f["workload_over_its_matmuls"],
+                    ("workload model GFLOP/s", round(achieved / 1e9, 1)),
+                    ("step matmuls GFLOP/s", round(r["matmuls"]["flops_per_s"] / 1e9, 1)),
+                ),
+            ]
+            if "matmuls" in r
+            else []
+        ),
         _row(
             "workload ÷ minimal Flax NNX loop (tokens/s)",
             f["workload_over_minimal_loop"],

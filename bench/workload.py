@@ -22,7 +22,10 @@ References, no goal: a textbook Flax NNX decoder of the same dimensions (bench/t
 the workload on the system's malloc ÷ on that allocator; and the minimal loop writing its
 state's bytes in a background thread every K steps (host copy, one file, fsync) ÷ the same
 loop without: the floor for any asynchronous checkpoint on this machine, where the write's
-CPU time competes with XLA's threads for the same cores (on a TPU the step runs on the chip).
+CPU time competes with XLA's threads for the same cores (on a TPU the step runs on the chip);
+and the step's own matmuls timed alone (bench/matmuls.py, best of a run first and last) ÷
+the peak, the ceiling of the first figure, with the workload's model FLOP/s ÷ theirs: the
+share of its step spent in matmuls.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+BATCH, SEQ_LEN = 8, 256  # every side's step: 2,048 tokens
 sys.path.insert(0, str(REPO))
 
 
@@ -45,11 +49,11 @@ def _config(root: Path, model: str, steps: int, every: int, name: str):
 
     return PipelineConfig(
         run_name=name,
-        dataset={"sources": ["stdlib"], "seq_len": 256, "max_bytes": 8_000_000},
-        model={"size": model, "dtype": "float32", "max_seq_len": 256},
+        dataset={"sources": ["stdlib"], "seq_len": SEQ_LEN, "max_bytes": 8_000_000},
+        model={"size": model, "dtype": "float32", "max_seq_len": SEQ_LEN},
         train={
             "steps": steps,
-            "batch_size": 8,
+            "batch_size": BATCH,
             "checkpoint_every": every,
             "log_every": 5,
             "warmup_steps": 2,
@@ -222,6 +226,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root, cache = Path(tmp), Path(tmp) / "compile_cache"
         peak_f = json.loads(_child([*me, "--child", "peak"]))["flops_per_s"]
+        matmul_args = [str(REPO / "bench" / "matmuls.py"), "--model", args.model]
+        matmul_args += ["--batch", str(BATCH), "--seq-len", str(SEQ_LEN)]
+        matmul_runs = [json.loads(_child(matmul_args))]
         loops: dict[str, list[float]] = {"minimal": [], "minimal-writes": []}
         for _ in range(2):  # alternating, as the workload's sides below
             for kind, runs in loops.items():
@@ -245,6 +252,8 @@ def main() -> int:
         # lower the peak and flatter every ratio over it.
         peaks = [peak_f, json.loads(_child([*me, "--child", "peak"]))["flops_per_s"]]
         peak_f = max(peaks)
+        matmul_runs.append(json.loads(_child(matmul_args)))
+    matmuls = max(matmul_runs, key=lambda m: m["flops_per_s"])
     best = {
         "no_ckpt_tokens_per_s": max(cold["tokens_per_s"], warm["tokens_per_s"]),
         "ckpt_tokens_per_s": max(ckpt["tokens_per_s"], ckpt_2["tokens_per_s"]),
@@ -258,6 +267,8 @@ def main() -> int:
         "textbook_flops_over_matmul_peak": textbook["flops_per_s"] / peak_f,
         "system_malloc_over_chosen": glibc["tokens_per_s"] / none_s,
         "plain_writes_over_none": minimal_writes / minimal,
+        "model_matmuls_over_matmul_peak": matmuls["flops_per_s"] / peak_f,
+        "workload_over_its_matmuls": cold["flops_per_token"] * none_s / matmuls["flops_per_s"],
     }
     goals = {
         "model_flops_over_matmul_peak": ">= 0.80",
@@ -267,6 +278,8 @@ def main() -> int:
         "textbook_flops_over_matmul_peak": "reference",
         "system_malloc_over_chosen": "reference",
         "plain_writes_over_none": "reference",
+        "model_matmuls_over_matmul_peak": "reference",
+        "workload_over_its_matmuls": "reference",
     }
     result = {
         "model": args.model,
@@ -277,6 +290,7 @@ def main() -> int:
         "minimal_tokens_per_s": minimal,
         "minimal_writes_tokens_per_s": minimal_writes,
         "textbook": textbook,
+        "matmuls": matmuls,
         "allocator": {
             k: v for k, v in _allocator().items() if k in ("LD_PRELOAD", "GLIBC_TUNABLES")
         },

@@ -6,11 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from tests.helpers import REPO
 
 spec = importlib.util.spec_from_file_location("run_all", REPO / "bench" / "run_all.py")
 run_all = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_all)
+spec = importlib.util.spec_from_file_location("matmuls", REPO / "bench" / "matmuls.py")
+matmuls = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(matmuls)
 
 # One output of each benchmark, in the shape each writes with --out.
 RESULTS = {
@@ -39,6 +44,7 @@ RESULTS = {
         "minimal_tokens_per_s": 2000.0,
         "minimal_writes_tokens_per_s": 1900.0,
         "textbook": {"tokens_per_s": 1800.0, "flops_per_s": 1.8e11},
+        "matmuls": {"flops_per_s": 2.9e11, "seconds": 0.6, "flops": 1.7e11},
         "runs": {
             "cold_no_ckpt": {"tokens_per_s": 2000.0, "flops_per_token": 8e7, "compile_s": 5.0},
             "ckpt": {"tokens_per_s": 1980.0, "flops_per_token": 8e7, "compile_s": 0.5},
@@ -56,6 +62,8 @@ RESULTS = {
             "textbook_flops_over_matmul_peak": 0.6,
             "system_malloc_over_chosen": 0.8,
             "plain_writes_over_none": 0.95,
+            "model_matmuls_over_matmul_peak": 2.9e11 / 3e11,
+            "workload_over_its_matmuls": 8e7 * 2000.0 / 2.9e11,
         },
     },
     "goodput": {
@@ -78,7 +86,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 16
+    assert len(rows) == 18
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -105,6 +113,11 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     ]
     assert floor["value"] == 0.95 and floor["met"] is None
     assert floor["numerator"]["measured"] == 1900 and floor["reference"]["measured"] == 2000
+    ceiling = by_figure["the step's matmuls timed alone ÷ matmul peak (the first row's ceiling)"]
+    assert ceiling["value"] == 0.967 and ceiling["met"] is None
+    assert ceiling["numerator"]["measured"] == 290.0
+    share = by_figure["workload model FLOP/s ÷ its matmuls alone (share of the step in matmuls)"]
+    assert share["value"] == 0.552 and share["reference"]["measured"] == 290.0
     writer = by_figure["ArrayRecord writer alone ÷ plain read-and-write (warm cache)"]
     assert writer["value"] == 0.35 and writer["met"] is None
     ideal = next(r for r in rows if r["figure"].startswith("ideal 1 → 2 worker speed-up"))
@@ -119,7 +132,13 @@ def test_reference_rows_read_as_references_in_markdown():
     # A result written before the textbook reference existed still gives its rows.
     old = {**RESULTS["workload"]}
     old.pop("textbook")
-    newer = ("system_malloc_over_chosen", "plain_writes_over_none")
+    old.pop("matmuls")
+    newer = (
+        "system_malloc_over_chosen",
+        "plain_writes_over_none",
+        "model_matmuls_over_matmul_peak",
+        "workload_over_its_matmuls",
+    )
     old["figures"] = {k: v for k, v in old["figures"].items() if k not in newer}
     old.pop("best")
     assert len(run_all.ROWS["workload"](old)) == 4
@@ -141,3 +160,21 @@ def test_markdown_has_one_line_per_row_and_names_failures():
     assert "15.0 (flow wall s) | 14.0 (sum of stages s) | <= 1.10 | yes |" in text
     assert "**sweep failed to run:**" in text and "boom" in text
     json.dumps(report)  # the JSON report holds the same structure
+
+
+@pytest.mark.parametrize(
+    "model", [{"size": "tiny"}, {"size": "small"}, {"size": "base"}, {"d_model": 96, "n_heads": 3}]
+)
+def test_the_step_matmuls_benchmark_counts_the_models_flops(model):
+    # bench/matmuls.py times these shapes as the MFU ceiling: they must be the work the
+    # MFU figure counts, for any dimensions, or the ceiling compares different things.
+    from workloads.config import ModelConfig, padded_vocab_size
+    from workloads.perf import model_flops_per_token
+
+    cfg = ModelConfig(**model, max_seq_len=512)
+    for batch, seq in ((8, 256), (3, 512)):
+        shapes = matmuls.step_matmuls(
+            cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers, padded_vocab_size(257), batch, seq
+        )
+        total = sum(matmuls.flops(s, dims) * times for s, dims, times in shapes)
+        assert total == model_flops_per_token(cfg, 257, seq) * batch * seq

@@ -1,0 +1,112 @@
+"""The model's own matrix multiplies timed alone: the ceiling of the model-FLOP/s figure.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=1 .venv/bin/python bench/matmuls.py
+
+Every matmul of one training step of a named size (forward, and the two products per
+matmul of the backward pass), each shape timed by itself (best of several runs) and summed
+by how often the step runs it. Their FLOP/s, ÷ the 2048² matmul peak, is what the
+model-FLOP/s figure would read if nothing but these matmuls took time; the workload's
+model FLOP/s ÷ theirs is the share of its step spent in them (the rest: norms, softmax,
+GELU, rotary, the loss and the optimizer). Their FLOPs are checked against
+`workloads.perf.model_flops_per_token`, so both figures count the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+Shape = tuple[int, int, int]  # (m, k, n): [m, k] @ [k, n]
+
+
+def step_matmuls(d: int, ff: int, heads: int, layers: int, vocab: int, batch: int, seq: int):
+    """[(shape, batch dims, times per step)] of one training step's matmuls.
+
+    Args:
+        d, ff, heads, layers: The model's width, MLP width, heads and depth.
+        vocab: Rows of the (tied) embedding table, padded as the model pads them.
+        batch, seq: Sequences per step and their length.
+    """
+    tokens, hd, attn = batch * seq, d // heads, (batch, heads)
+    forward = [
+        ((tokens, d, 3 * d), (), layers),  # q, k, v
+        ((tokens, d, d), (), layers),  # attention output
+        ((tokens, d, ff), (), layers),  # MLP up
+        ((tokens, ff, d), (), layers),  # MLP down
+        ((tokens, d, vocab), (), 1),  # logits (tied embedding)
+    ]
+    out = []
+    for (m, k, n), dims, times in forward:
+        # Forward y = x @ w, then dx = dy @ w.T and dw = x.T @ dy.
+        out += [((m, k, n), dims, times), ((m, n, k), dims, times), ((k, m, n), dims, times)]
+    # Per (sequence, head): scores = q @ k.T, ctx = p @ v and their four gradients.
+    out += [
+        ((seq, hd, seq), attn, layers),  # scores
+        ((seq, seq, hd), attn, layers),  # ctx
+        ((seq, seq, hd), attn, 2 * layers),  # dq = ds @ k, dk = ds.T @ q
+        ((seq, hd, seq), attn, layers),  # dp = dctx @ v.T
+        ((seq, seq, hd), attn, layers),  # dv = p.T @ dctx
+    ]
+    return out
+
+
+def flops(shape: Shape, dims: tuple[int, ...]) -> int:
+    """FLOPs of one batched matmul (2 per multiply-add)."""
+    m, k, n = shape
+    count = 1
+    for x in dims:
+        count *= x
+    return 2 * m * k * n * count
+
+
+def time_matmul(shape: Shape, dims: tuple[int, ...], repeats: int = 10) -> float:
+    """Best seconds of one float32 `[*dims, m, k] @ [*dims, k, n]` on the default device."""
+    import jax
+
+    m, k, n = shape
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (*dims, m, k))
+    b = jax.random.normal(key_b, (*dims, k, n))
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, b).block_until_ready()  # compile outside the timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(size: str, batch: int, seq_len: int) -> dict:
+    """The step's matmul FLOP/s, seconds and FLOPs for a named size."""
+    from workloads.config import ModelConfig, padded_vocab_size
+    from workloads.perf import model_flops_per_token
+
+    cfg = ModelConfig(size=size, dtype="float32", max_seq_len=seq_len)
+    vocab = padded_vocab_size(257)  # the byte tokenizer's vocabulary, as the bench trains
+    shapes = step_matmuls(cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers, vocab, batch, seq_len)
+    total = sum(flops(s, dims) * times for s, dims, times in shapes)
+    expected = model_flops_per_token(cfg, 257, seq_len) * batch * seq_len
+    if total != expected:  # the two counts must describe the same work
+        raise AssertionError(f"step matmuls count {total} FLOPs, the model's formula {expected}")
+    seconds = sum(time_matmul(s, dims) * times for s, dims, times in shapes)
+    return {"flops_per_s": total / seconds, "seconds": seconds, "flops": total}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    print(json.dumps(measure(args.model, args.batch, args.seq_len)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
