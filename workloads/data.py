@@ -54,7 +54,13 @@ from workloads.manifest import (
     write_manifest,
 )
 from workloads.outdir import claimed
-from workloads.packing import UnitJob, finished_unit, tokenize_unit, write_shard
+from workloads.packing import (
+    UnitJob,
+    finished_unit,
+    keep_freed_memory,
+    tokenize_unit,
+    write_shard,
+)
 from workloads.sources import DatasetError, SourceFile, SourceStore, select_by_size
 from workloads.splits import plan_splits, plan_units, split_entries
 from workloads.tokens import TokenizerSpec, load_tokenizer
@@ -212,13 +218,15 @@ def _pool(workers: int) -> Iterator[Callable]:
     """`run(fn, jobs)` yielding results in job order: in this process for one worker, else
     in worker processes started from a forkserver (forking the orchestrator itself, whose
     Prefect threads may hold locks, could deadlock the child). A `ProcessPoolExecutor`, not
-    a `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging."""
+    a `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
+    Workers keep the memory they free (`packing.keep_freed_memory`); this process's
+    allocator, the caller's, is left as it is."""
     if workers <= 1:
         yield lambda fn, jobs: map(fn, jobs)
         return
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["workloads.packing"])
-    executor = ProcessPoolExecutor(workers, mp_context=ctx)
+    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_freed_memory)
     try:
         yield lambda fn, jobs: executor.map(fn, jobs)
     except DatasetError:

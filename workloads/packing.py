@@ -154,6 +154,26 @@ def tokenize_unit(job: UnitJob) -> dict:
     return meta
 
 
+def keep_freed_memory() -> None:
+    """Sharding workers' initializer: have glibc's malloc keep freed memory for reuse.
+
+    Each encode batch's arrays (several MB) are otherwise handed back to the kernel when
+    freed and faulted in afresh by the next batch: ~20,000 page faults per 31 MB of text,
+    which cost more system time here than the tokenizing itself. Workers live for one
+    sharding run, so holding on to their peak memory costs nothing after. A no-op where
+    the C library has no `mallopt` (macOS, musl).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return
+    mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large arrays from the heap, not fresh mmaps
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not shrink the heap between batches
+
+
 def prefetch(files: tuple[SourceFile, ...]) -> None:
     """Ask the kernel to start reading a unit's local files now, all at once: a cold
     corpus of many small files is then read with many requests in flight instead of one
