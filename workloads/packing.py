@@ -111,7 +111,7 @@ def tokenize_unit(job: UnitJob) -> dict:
             uri, n = origin[split][exc.index]
             place = f"{uri}: document {n + 1}" if multi else uri
             raise DatasetError(f"{place}: {exc}") from None
-        outs[split].write(ids.tobytes())
+        outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
         st = stats[split]
         st["tokens"] += len(ids)
         st["last_tokens"], st["last_bytes"] = last, len(pending[split][-1])
