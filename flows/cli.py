@@ -54,13 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"invalid config:\n{exc}", file=sys.stderr)
         return 2
-    from tasks.prepare import DatasetError, check_inputs
-
     if args.command == "validate":
-        return _validate(args.config, config, price, check_inputs)
+        return _validate(args.config, config, price)
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
+    from tasks.prepare import DatasetError
 
     try:
         run = tpu_training_pipeline(config=config)
@@ -81,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _validate(path: str, config, price, check_inputs) -> int:
+def _validate(path: str, config, price) -> int:
     """`tpupipe validate`: the config's fields, then what it points at that this machine can
     see (local sources, the tokenizer file, an existing local run); exit 0 or 2."""
     from tasks.plan import plan_run
-    from tasks.prepare import DatasetError
+    from tasks.prepare import DatasetError, check_inputs
 
     remote = [s for s in config.dataset.sources if "://" in s]
     try:

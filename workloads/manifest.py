@@ -123,8 +123,7 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
     _fsync(dataset_dir)  # the shards' renames
     tmp = Path(dataset_dir) / f"{TMP_PREFIX}{MANIFEST}"
     with open(tmp, "w") as fh:
-        # One string, not json.dump's many small writes: ~4x faster for 10^4 sources.
-        fh.write(json.dumps(manifest, indent=1, sort_keys=True))
+        json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, Path(dataset_dir) / MANIFEST)
