@@ -336,3 +336,18 @@ def test_sharding_workers_reuse_freed_memory_instead_of_faulting_it_in_again():
     # reuses the memory. Over a corpus that was more system time than the tokenizing.
     with data._pool(2) as run:
         assert all(faults < 500 for faults in run(faults_of_batches, [5, 5]))
+
+
+@pytest.mark.parametrize("mean_length", [0, 3, 60, 511, 512, 5000])
+def test_byte_encoding_is_each_documents_bytes_then_eod_whatever_their_length(mean_length):
+    from workloads import tokens
+
+    rng = random.Random(mean_length)
+    docs = [
+        bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 2 * mean_length)))
+        for _ in range(40)
+    ]
+    want = [t for doc in docs for t in (*doc, EOD_TOKEN)]
+    ids, last = tokens.encode(tokens.BYTES, docs)
+    assert ids.dtype == np.dtype("<u2") and ids.tolist() == want
+    assert last == len(docs[-1]) + 1

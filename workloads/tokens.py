@@ -68,6 +68,9 @@ class TokenizerSpec:
 
 
 BYTES = TokenizerSpec("bytes", BYTE_VOCAB_SIZE, EOD_TOKEN, "uint16")
+# Average document length from which the byte tokenizer copies documents one at a time
+# rather than scattering them all at once (a numpy call per document costs ~0.6 us).
+LONG_DOCUMENT_BYTES = 512
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> TokenizerSpec:
@@ -152,6 +155,12 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     if not docs:
         return np.empty(0, dtype=dtype), 0
+    if spec.kind == "bytes" and sum(map(len, docs)) >= LONG_DOCUMENT_BYTES * len(docs):
+        # Long documents (whole files): one copy each, no temporaries. 18x faster than
+        # the scatter below for 17 KB files, and 8x slower for 50-byte lines.
+        eod = np.array([spec.eod_token], dtype=dtype)
+        parts = [part for doc in docs for part in (np.frombuffer(doc, np.uint8), eod)]
+        return np.concatenate(parts, dtype=dtype), len(docs[-1]) + 1
     if spec.kind == "bytes":
         lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         flat = np.frombuffer(b"".join(docs), dtype=np.uint8)
