@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,28 +58,20 @@ def step_matmuls(d: int, ff: int, heads: int, layers: int, vocab: int, batch: in
 def flops(shape: Shape, dims: tuple[int, ...]) -> int:
     """FLOPs of one batched matmul (2 per multiply-add)."""
     m, k, n = shape
-    count = 1
-    for x in dims:
-        count *= x
-    return 2 * m * k * n * count
+    return 2 * m * k * n * math.prod(dims)
 
 
 def time_matmul(shape: Shape, dims: tuple[int, ...], repeats: int = 10) -> float:
     """Best seconds of one float32 `[*dims, m, k] @ [*dims, k, n]` on the default device."""
     import jax
 
+    from workloads.perf import best_matmul_seconds
+
     m, k, n = shape
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (*dims, m, k))
     b = jax.random.normal(key_b, (*dims, k, n))
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, b).block_until_ready()  # compile outside the timing
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_matmul_seconds(a, b, repeats)
 
 
 def measure(size: str, batch: int, seq_len: int) -> dict:

@@ -60,19 +60,24 @@ def tpu_peak(device_kind: str, chips: int) -> Peak | None:
     return None
 
 
+def best_matmul_seconds(a: jax.Array, b: jax.Array, repeats: int) -> float:
+    """Fastest of `repeats` timed runs of `a @ b` (compiled first, outside the timing)."""
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_matmul_peak(dtype: str = "bfloat16", size: int = 1024, repeats: int = 8) -> Peak:
     """FLOP/s of a square matmul on one local device: the best of several timed runs."""
     device = jax.local_devices()[0]
     key = jax.random.key(0)
     a = jax.device_put(jax.random.normal(key, (size, size), jnp.dtype(dtype)), device)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()  # compile outside the timing
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return Peak(2.0 * size**3 / best, f"measured:{dtype} matmul")
+    return Peak(2.0 * size**3 / best_matmul_seconds(a, a, repeats), f"measured:{dtype} matmul")
 
 
 def slice_peak(compute_dtype: str, remembered: dict | None = None) -> Peak:
