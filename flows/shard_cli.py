@@ -49,11 +49,16 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument(
         "--out", required=True, help="datasets directory; the dataset goes in OUT/<fingerprint>/"
     )
-    cmd.add_argument("--format", choices=["text", "jsonl", "parquet"])
+    cmd.add_argument(
+        "--format",
+        choices=["auto", "text", "jsonl", "parquet"],
+        help="auto (default): by each file's name (.jsonl/.ndjson[.gz]: jsonl, "
+        ".parquet/.pq: parquet, else text)",
+    )
     cmd.add_argument(
         "--text-unit",
         choices=["file", "line"],
-        help="text format: one document per file (default) or per line",
+        help="text files: one document per file (default) or per line",
     )
     cmd.add_argument("--text-field", metavar="NAME", help="JSONL field / Parquet column")
     cmd.add_argument("--tokenizer", metavar="FILE", help="Hugging Face tokenizer.json")

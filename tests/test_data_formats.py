@@ -132,8 +132,13 @@ def test_invalid_utf8_names_file_and_byte_offset_unless_replaced(tmp_path):
     assert documents(lines, format="jsonl", errors="replace", text_field="text")[0] == b"fine"
     (tmp_path / "good.txt").write_text("x" * 400)
     result = data.shard_dataset(
-        DatasetConfig(sources=[str(tmp_path / "*.txt")], seq_len=8, num_shards=1,
-                      errors="replace", eval_fraction=0.4),
+        DatasetConfig(
+            sources=[str(tmp_path / "*.txt")],
+            seq_len=8,
+            num_shards=1,
+            errors="replace",
+            eval_fraction=0.4,
+        ),
         tmp_path / "out",
     )
     assert result.manifest["options"]["errors"] == "replace"
@@ -239,6 +244,72 @@ def test_tokenizer_file_errors(tmp_path):
         data.load_tokenizer(tmp_path / "junk.json")
     with pytest.raises(ValueError, match="never downloaded"):
         DatasetConfig(tokenizer="hf://gpt2")
+
+
+def test_format_auto_reads_each_file_by_its_name(tmp_path):
+    """A directory of mixed files needs no --format: .jsonl(.gz)/.ndjson are JSON lines,
+    .parquet/.pq Parquet, anything else (here .txt, .py, .json) one text document."""
+    rows = [{"text": t} for t in TEXTS[:10]]
+    write_jsonl(tmp_path / "a.jsonl.gz", rows, opener=gzip.open)
+    write_jsonl(tmp_path / "b.NDJSON", rows[:3])
+    pq.write_table(pa.table({"text": TEXTS[10:20]}), tmp_path / "c.pq")
+    (tmp_path / "d.txt").write_text(TEXTS[20])
+    (tmp_path / "e.json").write_text(json.dumps({"text": "a JSON file is text"}))
+    assert DatasetConfig().format == "auto"
+    want = {
+        "a.jsonl.gz": [t.encode() for t in TEXTS[:10]],
+        "b.NDJSON": [t.encode() for t in TEXTS[:3]],
+        "c.pq": [t.encode() for t in TEXTS[10:20]],
+        "d.txt": [TEXTS[20].encode()],
+        "e.json": [(tmp_path / "e.json").read_bytes()],
+    }
+    for name, docs in want.items():
+        assert documents(tmp_path / name) == docs, name
+    result = data.shard_dataset(cfg(tmp_path, eval_fraction=0.2), tmp_path / "out")
+    splits = result.manifest["splits"]
+    assert splits["train"]["documents"] + splits["eval"]["documents"] == 25
+    # Files of several formats: both the field and the text unit change the bytes.
+    assert result.manifest["options"]["format"] == "auto"
+    assert {"text_field", "text_unit"} <= result.manifest["options"].keys()
+    # Files of one format: the same dataset as that format given outright (same cache).
+    only_jsonl = cfg(tmp_path / "*.jsonl.gz", eval_fraction=0.2)
+    auto = data.shard_dataset(only_jsonl, tmp_path / "out")
+    given = data.shard_dataset(only_jsonl.model_copy(update={"format": "jsonl"}), tmp_path / "out")
+    assert given.cached and given.dataset_dir == auto.dataset_dir
+    assert "text_unit" not in auto.manifest["options"]
+    # An explicit format still applies to every file: JSON lines read as text are text.
+    assert documents(tmp_path / "a.jsonl.gz", format="text") == [
+        gzip.decompress((tmp_path / "a.jsonl.gz").read_bytes())
+    ]
+    with pytest.raises(DatasetError, match=r"c\.pq: row 1: column 'body'|no column 'body'"):
+        data.shard_dataset(cfg(tmp_path / "c.pq", text_field="body"), tmp_path / "o2")
+
+
+def test_a_dotted_text_field_reads_nested_json_and_struct_columns(tmp_path):
+    rows = [{"meta": {"body": t}, "a.b": str(i)} for i, t in enumerate(TEXTS[:5])]
+    lines = write_jsonl(tmp_path / "n.jsonl", rows)
+    assert documents(lines, text_field="meta.body") == [t.encode() for t in TEXTS[:5]]
+    # A key that holds the dot itself is a field of that name, not a path.
+    assert documents(lines, text_field="a.b") == [str(i).encode() for i in range(5)]
+    structs = [{"body": t, "n": 1} for t in TEXTS[:5]]
+    table = pa.table({"meta": pa.array([*structs, None]), "id": range(6)})
+    pq.write_table(table, tmp_path / "n.parquet", row_group_size=2)
+    with pytest.raises(DatasetError, match=r"n\.parquet: row 6: column 'meta.body' is null"):
+        documents(tmp_path / "n.parquet", text_field="meta.body")
+    pq.write_table(table.slice(0, 5), tmp_path / "n.parquet", row_group_size=2)
+    assert documents(tmp_path / "n.parquet", text_field="meta.body") == [
+        t.encode() for t in TEXTS[:5]
+    ]
+    for field, message in (
+        ("meta.n", r"column 'meta.n' has type int64, not text"),
+        ("meta.nope", r"no column 'meta.nope' \(columns: meta, id\)"),
+        ("id.x", r"no column 'id.x'"),
+    ):
+        with pytest.raises(DatasetError, match=message):
+            documents(tmp_path / "n.parquet", text_field=field)
+    missing = r"n\.jsonl:1: no field 'meta.nope' \(fields: a.b, meta\)"
+    with pytest.raises(DatasetError, match=missing):
+        documents(lines, text_field="meta.nope")
 
 
 def test_options_that_do_not_fit_the_format_are_refused():

@@ -48,21 +48,23 @@ class DatasetConfig(_Strict):
         "standard library's own .py sources (no download needed).",
         min_length=1,
     )
-    format: Literal["text", "jsonl", "parquet"] = Field(
-        "text",
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
+        "auto",
         description="How source files hold documents: 'text' (see text_unit), 'jsonl' (one "
-        "JSON object per line, gzip allowed, text in text_field) or 'parquet' (text in "
-        "column text_field).",
+        "JSON object per line, gzip allowed, text in text_field), 'parquet' (text in "
+        "column text_field), or 'auto': each file by its name (.jsonl, .ndjson, also "
+        "gzipped: jsonl; .parquet, .pq: parquet; any other: text).",
     )
     text_unit: Literal["file", "line"] = Field(
         "file",
-        description="For format 'text': each file is one document ('file'), or each "
+        description="For text files: each file is one document ('file'), or each "
         "non-blank line is one ('line').",
     )
     text_field: str = Field(
         "text",
         min_length=1,
-        description="The JSON field (jsonl) or column (parquet) holding each document's text.",
+        description="The JSON field (jsonl) or column (parquet) holding each document's text; "
+        "a dotted name such as meta.text reaches into nested objects or struct columns.",
     )
     tokenizer: str | None = Field(
         None,
@@ -110,7 +112,7 @@ class DatasetConfig(_Strict):
 
     @model_validator(mode="after")
     def _text_unit_needs_text(self) -> DatasetConfig:
-        if self.text_unit == "line" and self.format != "text":
+        if self.text_unit == "line" and self.format not in ("text", "auto"):
             raise ValueError(
                 f"dataset.text_unit = 'line' applies to dataset.format = 'text', "
                 f"not {self.format!r}"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.config import DatasetConfig
+from workloads.documents import file_format
 from workloads.listing import resolve_sources
 from workloads.manifest import (
     FORMAT_VERSION,
@@ -97,17 +98,21 @@ class ShardResult:
     cached: bool
 
 
-def byte_options(cfg: DatasetConfig) -> dict:
+def byte_options(cfg: DatasetConfig, files: list[SourceFile]) -> dict:
     """The options that change the shards' bytes (what the fingerprint and manifest record).
 
-    Options that have no effect on the chosen format are left out, so changing them does
-    not miss the cache.
+    Options that have no effect on the formats `files` are read in are left out, so
+    changing them does not miss the cache. Format "auto" is recorded as the one format its
+    files resolve to when they agree (the same bytes as that format given outright), else
+    as "auto".
     """
-    keys = {"format", "errors", "seq_len", "eval_fraction", "num_shards", "max_bytes"}
+    keys = {"errors", "seq_len", "eval_fraction", "num_shards", "max_bytes"}
     out = cfg.model_dump(mode="json", include=keys | {"tokenizer"})
-    if cfg.format == "text":
+    used = {file_format(f.uri, cfg.format) for f in files} or {cfg.format}
+    out["format"] = next(iter(used)) if len(used) == 1 else cfg.format
+    if used & {"text", "auto"}:
         out["text_unit"] = cfg.text_unit
-    else:
+    if used - {"text"}:
         out["text_field"] = cfg.text_field
     return out
 
@@ -127,7 +132,7 @@ def dataset_fingerprint(
     Returns:
         The fingerprint, also the dataset's directory name.
     """
-    options = {k: v for k, v in byte_options(cfg).items() if k != "tokenizer"}
+    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
     payload = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.fingerprint_entry(),
@@ -293,5 +298,5 @@ def _manifest(
         "sources": [
             {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
         ],
-        "options": byte_options(cfg),
+        "options": byte_options(cfg, files),
     }

@@ -5,7 +5,8 @@ the file, plus the line (JSONL, text lines), the row (Parquet) or the byte offse
 UTF-8). With `errors="strict"` invalid UTF-8 is an error; with `errors="replace"` each bad
 sequence becomes U+FFFD, as Python's `bytes.decode(errors="replace")` does.
 
-Formats (`ReadOptions.format`, from `DatasetConfig`):
+Formats (`ReadOptions.format`, from `DatasetConfig`; "auto" picks one per file by its name,
+see `file_format`):
     text: the whole file is one document (`text_unit="file"`), or each line that is not
         blank is one (`text_unit="line"`; the line break is not part of it).
     jsonl: one JSON object per line, its text in `text_field`; blank lines are skipped.
@@ -33,6 +34,10 @@ if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
 
 _GZIP_MAGIC = b"\x1f\x8b"
+# The names format "auto" reads as JSONL and as Parquet; any other file is text. `.json` is
+# not among them: such a file may hold one document or JSON lines, so the user says which.
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+PARQUET_SUFFIXES = (".parquet", ".pq")
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -51,6 +56,25 @@ class ReadOptions:
         """The read options of a dataset config."""
         return cls(cfg.format, cfg.text_unit, cfg.text_field, cfg.errors)
 
+    def format_of(self, uri: str) -> str:
+        """The format the file at `uri` is read in (`file_format`)."""
+        return file_format(uri, self.format)
+
+    def whole_files(self, uri: str) -> bool:
+        """Whether the file at `uri` is read as one single document."""
+        return self.format_of(uri) == "text" and self.text_unit == "file"
+
+
+def file_format(name: str, configured: str) -> str:
+    """The format a file is read in: `configured`, or for "auto" the one its name ends with
+    (case aside): `JSONL_SUFFIXES` are jsonl, `PARQUET_SUFFIXES` parquet, any other text."""
+    if configured != "auto":
+        return configured
+    lower = name.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return "parquet" if lower.endswith(PARQUET_SUFFIXES) else "text"
+
 
 def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator[bytes]:
     """Yield every document of one open source file, in file order.
@@ -66,7 +90,8 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
     Raises:
         DatasetError: naming the file and line, row or byte offset at fault.
     """
-    if opts.format == "parquet":
+    fmt = opts.format_of(src.uri)
+    if fmt == "parquet":
         yield from _parquet(fh, src, opts)
         return
     gz = fh.read(2) == _GZIP_MAGIC
@@ -75,9 +100,9 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
     where = "of the decompressed file" if gz else "of the file"
     try:
         start = _skip_bom(stream)
-        if opts.format == "text" and opts.text_unit == "file":
+        if fmt == "text" and opts.text_unit == "file":
             yield utf8(stream.read(), src.uri, start, opts.errors, where)
-        elif opts.format == "text":
+        elif fmt == "text":
             yield from _lines(stream, src, opts, where, start)
         else:
             yield from _jsonl(stream, src, opts, where, start)
@@ -160,13 +185,27 @@ def _jsonl(
             raise DatasetError(f"{place}: unreadable JSON: nested too deeply") from None
         if not isinstance(obj, dict):
             raise DatasetError(f"{place}: expected a JSON object, got {_json_type(obj)}")
-        if field not in obj:
+        value = obj[field] if field in obj else _nested(obj, field)
+        if value is _MISSING:
             keys = ", ".join(sorted(obj)[:10]) or "none"
             raise DatasetError(f"{place}: no field {field!r} (fields: {keys}); set text_field")
-        value = obj[field]
         if not isinstance(value, str):
             raise DatasetError(f"{place}: field {field!r} is {_json_type(value)}, not a string")
         yield _encode(value, place, field, cfg.errors)
+
+
+_MISSING = object()
+
+
+def _nested(obj: dict, field: str) -> object:
+    """The value at a dotted `field` such as `meta.text` (obj["meta"]["text"]), or _MISSING.
+    Only reached when no key is `field` itself, so a key holding a dot still wins."""
+    node: object = obj
+    for part in field.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
 
 
 def _encode(value: str, place: str, field: str, errors: str) -> bytes:
@@ -191,6 +230,7 @@ def _json_type(value: object) -> str:
 
 def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]:
     import pyarrow as pa  # only Parquet sources pay for the import
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     field = cfg.text_field
@@ -199,10 +239,11 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{src.uri}: not a readable Parquet file: {exc}") from None
     schema = pf.schema_arrow
-    if field not in schema.names:
+    path = _column_path(schema, field)
+    if path is None:
         columns = ", ".join(schema.names[:10])
         raise DatasetError(f"{src.uri}: no column {field!r} (columns: {columns}); set text_field")
-    kind = schema.field(field).type
+    kind = path[-1].type
     if pa.types.is_dictionary(kind):  # e.g. a low-cardinality column written by pandas
         kind = kind.value_type
     t = pa.types
@@ -214,6 +255,8 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
     for group in range(pf.num_row_groups):
         try:
             column = pf.read_row_group(group, columns=[field]).column(0)
+            for child in path[1:]:  # a nested column is read as its parents' structs
+                column = pc.struct_field(column, child.name)
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(
                 f"{src.uri}: cannot read column {field!r} of row group {group}: {exc}"
@@ -229,6 +272,24 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
                 value = utf8(value, place, 0, cfg.errors, "of the value")
             yield value
             row += 1
+
+
+def _column_path(schema: object, field: str) -> list | None:
+    """The fields from the top-level column down to `field`: one for a column of that name,
+    more for a dotted path into struct columns (`meta.text`); None if there is none."""
+    import pyarrow as pa
+
+    if field in schema.names:
+        return [schema.field(field)]
+    path: list = []
+    parent = schema  # then each struct type on the way down; None below a leaf
+    for part in field.split("."):
+        index = parent.get_field_index(part) if parent is not None else -1
+        if index < 0:  # absent (or a name given twice)
+            return None
+        path.append(parent.field(index))
+        parent = path[-1].type if pa.types.is_struct(path[-1].type) else None
+    return path
 
 
 def _valid_utf8(column: object) -> bool:

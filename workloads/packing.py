@@ -94,7 +94,6 @@ def tokenize_unit(job: UnitJob) -> dict:
     Raises:
         DatasetError: from reading or decoding a source, naming the place.
     """
-    multi = not (job.read.format == "text" and job.read.text_unit == "file")
     fields = ("tokens", "documents", "bytes", "last_tokens", "last_bytes")
     stats = {s: dict.fromkeys(fields, 0) for s in SPLITS}
     pending: dict[str, list[bytes]] = {s: [] for s in SPLITS}
@@ -109,7 +108,7 @@ def tokenize_unit(job: UnitJob) -> dict:
             ids, last = encode(job.tokenizer, pending[split])
         except EncodeError as exc:
             uri, n = origin[split][exc.index]
-            place = f"{uri}: document {n + 1}" if multi else uri
+            place = uri if job.read.whole_files(uri) else f"{uri}: document {n + 1}"
             raise DatasetError(f"{place}: {exc}") from None
         outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
         st = stats[split]
@@ -120,12 +119,13 @@ def tokenize_unit(job: UnitJob) -> dict:
     prefetch(job.files)
     try:
         for src in job.files:
+            whole = job.read.whole_files(src.uri)
             with open_source(src, job.store) as fh:
                 try:
                     for n, doc in enumerate(iter_documents(fh, src, job.read)):
                         # A multi-document file's documents are split one by one, so even
                         # a single large JSONL file yields both splits.
-                        key = f"{src.key}#{n}" if multi else src.key
+                        key = src.key if whole else f"{src.key}#{n}"
                         split = "eval" if in_eval(key, job.eval_fraction) else "train"
                         pending[split].append(doc)
                         origin[split].append((src.uri, n))
