@@ -51,9 +51,10 @@ class DatasetConfig(_Strict):
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto",
         description="How source files hold documents: 'text' (see text_unit), 'jsonl' (one "
-        "JSON object per line, gzip allowed, text in text_field), 'parquet' (text in "
-        "column text_field), or 'auto': each file by its name (.jsonl, .ndjson, also "
-        "gzipped: jsonl; .parquet, .pq: parquet; any other: text).",
+        "JSON object per line, text in text_field), 'parquet' (text in column text_field), "
+        "or 'auto': each file by its name (.jsonl, .ndjson, also compressed: jsonl; "
+        ".parquet, .pq: parquet; any other: text). Text and JSONL files may be gzip, zstd, "
+        "bzip2 or xz compressed (detected from the content).",
     )
     text_unit: Literal["file", "line"] = Field(
         "file",

@@ -1,4 +1,4 @@
-"""Reading documents out of source files: plain text, JSONL (optionally gzipped) and Parquet.
+"""Reading documents out of source files: plain text, JSONL (either maybe compressed) and Parquet.
 
 Every reader yields each document's text as UTF-8 `bytes`, and every failure names its place:
 the file, plus the line (JSONL, text lines), the row (Parquet) or the byte offset (invalid
@@ -13,30 +13,29 @@ see `file_format`):
     parquet: the text is in column `text_field` (string or binary, plain, large, view or
         dictionary-encoded); a null is an error. Rows are numbered from 1, like lines.
 
-Gzip is detected from the content (text and jsonl); byte offsets then count decompressed
-bytes. A UTF-8 byte order mark at the start of a text or JSONL file is not part of its text
-(offsets still count it).
+Compression (gzip, zstd, bzip2, xz: `workloads.compression`) is detected from the content
+(text and jsonl); byte offsets then count decompressed bytes. A UTF-8 byte order mark at the
+start of a text or JSONL file is not part of its text (offsets still count it).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
+from workloads import compression
 from workloads.sources import DatasetError, SourceFile
 
 if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
 
-_GZIP_MAGIC = b"\x1f\x8b"
-# The names format "auto" reads as JSONL and as Parquet; any other file is text. `.json` is
-# not among them: such a file may hold one document or JSON lines, so the user says which.
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+# The names format "auto" reads as JSONL (also compressed: a.jsonl.zst) and as Parquet; any
+# other file is text. `.json` is not among them: such a file may hold one document or JSON
+# lines, so the user says which.
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -67,11 +66,12 @@ class ReadOptions:
 
 def file_format(name: str, configured: str) -> str:
     """The format a file is read in: `configured`, or for "auto" the one its name ends with
-    (case aside): `JSONL_SUFFIXES` are jsonl, `PARQUET_SUFFIXES` parquet, any other text."""
+    (case aside, after any compression suffix): `JSONL_SUFFIXES` are jsonl,
+    `PARQUET_SUFFIXES` parquet, any other text."""
     if configured != "auto":
         return configured
     lower = name.lower()
-    if lower.endswith(JSONL_SUFFIXES):
+    if compression.strip_suffix(lower).endswith(JSONL_SUFFIXES):
         return "jsonl"
     return "parquet" if lower.endswith(PARQUET_SUFFIXES) else "text"
 
@@ -94,11 +94,9 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
     if fmt == "parquet":
         yield from _parquet(fh, src, opts)
         return
-    gz = fh.read(2) == _GZIP_MAGIC
-    fh.seek(0)
-    stream = gzip.GzipFile(fileobj=fh, mode="rb") if gz else fh
-    where = "of the decompressed file" if gz else "of the file"
     try:
+        stream, codec = compression.open_decompressed(fh)
+        where = f"of the {codec}-decompressed file" if codec else "of the file"
         start = _skip_bom(stream)
         if fmt == "text" and opts.text_unit == "file":
             yield utf8(stream.read(), src.uri, start, opts.errors, where)
@@ -106,16 +104,22 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
             yield from _lines(stream, src, opts, where, start)
         else:
             yield from _jsonl(stream, src, opts, where, start)
-    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
+    except compression.ERRORS as exc:  # e.g. a truncated or corrupt compressed stream
         raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
 
 
 def _skip_bom(stream: BinaryIO) -> int:
     """Skip a byte order mark at the start of `stream` (some Windows tools write one);
-    returns its length, 0 or 3. Checked once per file, not per line."""
-    if stream.read(len(_BOM)) == _BOM:
+    returns its length, 0 or 3. Checked once per file, not per line. Decompressing streams
+    cannot all seek back, but they can peek."""
+    peek = getattr(stream, "peek", None)
+    head = peek(len(_BOM))[: len(_BOM)] if peek else stream.read(len(_BOM))
+    if head == _BOM:
+        if peek:
+            stream.read(len(_BOM))
         return len(_BOM)
-    stream.seek(0)
+    if not peek:
+        stream.seek(0)
     return 0
 
 
