@@ -46,7 +46,8 @@ def codec_of(head: bytes) -> str | None:
 
 def open_decompressed(fh: BinaryIO) -> tuple[BinaryIO, str | None]:
     """`fh` (binary, at offset 0) as a stream of its decompressed bytes, and the codec's
-    name; `fh` itself and None when it is not compressed. The stream has `peek`."""
+    name; `fh` itself and None when it is not compressed. A decompressing stream has
+    `peek` (not every one can seek back)."""
     head = fh.read(10)
     fh.seek(0)
     codec = codec_of(head)

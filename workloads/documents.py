@@ -111,16 +111,17 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
 def _skip_bom(stream: BinaryIO) -> int:
     """Skip a byte order mark at the start of `stream` (some Windows tools write one);
     returns its length, 0 or 3. Checked once per file, not per line. Decompressing streams
-    cannot all seek back, but they can peek."""
-    peek = getattr(stream, "peek", None)
-    head = peek(len(_BOM))[: len(_BOM)] if peek else stream.read(len(_BOM))
-    if head == _BOM:
-        if peek:
-            stream.read(len(_BOM))
-        return len(_BOM)
-    if not peek:
+    cannot all seek back, but they can peek; a file from a store may not peek, but seeks."""
+    n = len(_BOM)
+    if not hasattr(stream, "peek"):
+        if stream.read(n) == _BOM:
+            return n
         stream.seek(0)
-    return 0
+        return 0
+    if stream.peek(n)[:n] != _BOM:
+        return 0
+    stream.read(n)
+    return n
 
 
 def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the file") -> bytes:
