@@ -29,9 +29,37 @@ class Dense(nnx.Linear):
     costs nothing elsewhere since merging leading axes is a free reshape.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = super().__call__(x.reshape(-1, x.shape[-1]))
+    def __call__(self, x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+        """`x @ kernel`; `scale` [din], if given, first multiplies `x`'s features (the
+        learned scale of the `RMSNorm` before this projection, see `RMSNorm.normalize`)."""
+        kernel = self.kernel[...] if scale is None else scaled_rows(self.kernel[...], scale)
+        flat, kernel = self.promote_dtype((x.reshape(-1, x.shape[-1]), kernel), dtype=self.dtype)
+        y = jnp.dot(flat, kernel, precision=self.precision)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def scaled_rows(matrix: jax.Array, scale: jax.Array) -> jax.Array:
+    """`diag(scale) @ matrix`: `(x * scale) @ matrix` equals `x @ scaled_rows(matrix, scale)`."""
+    return matrix * scale[:, None].astype(matrix.dtype)
+
+
+class RMSNorm(nnx.RMSNorm):
+    """RMSNorm whose learned scale the next projection applies (`normalize` + `Dense`).
+
+    `normalize(x) @ scaled_rows(W, scale)` is `rmsnorm(x) @ W`, with the scale multiplying
+    the [d, out] kernel instead of the [tokens, d] activations. On XLA:CPU the activation-
+    sized product was materialised as a broadcast in the backward pass of every norm; with
+    the scale moved, the `small` step's kernels outside the matmuls take 234 instead of 283
+    ms per step (f32 profile). The parameters are those of `nnx.RMSNorm` (checkpoints are
+    unchanged) and its own `__call__` still gives the scaled result.
+    """
+
+    def normalize(self, x: jax.Array) -> jax.Array:
+        """`x` divided by its root mean square over the features, computed in float32,
+        returned in the compute dtype, not yet multiplied by `scale`."""
+        xf = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.epsilon)
+        return (xf * inv).astype(self.dtype or x.dtype)
 
 
 def _dense(din: int, dout: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs) -> Dense:
@@ -46,8 +74,8 @@ def _dense(din: int, dout: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs) -
     )
 
 
-def _norm(dim: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(
+def _norm(dim: int, cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(
         dim,
         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (None,)),
         dtype=jnp.dtype(cfg.dtype),
@@ -110,9 +138,12 @@ class Attention(nnx.Module):
         self.qkv = _dense(cfg.d_model, 3 * cfg.d_model, ("fsdp", "tensor"), cfg, rngs)
         self.out = _dense(cfg.d_model, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
 
-    def __call__(self, x: jax.Array, rope: Rope, bias: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, rope: Rope, bias: jax.Array, scale: jax.Array | None = None
+    ) -> jax.Array:
+        """Attention over `x` [batch, seq, d] (its features first multiplied by `scale`)."""
         b, s, _ = x.shape
-        qkv = self.qkv(x).reshape(b, s, 3, self.n_heads, self.head_dim)
+        qkv = self.qkv(x, scale).reshape(b, s, 3, self.n_heads, self.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q = rotary(q, rope) * jnp.asarray(self.head_dim**-0.5, q.dtype)
         k = rotary(k, rope)
@@ -133,8 +164,9 @@ class Block(nnx.Module):
         self.down = _dense(cfg.d_ff, cfg.d_model, ("tensor", "fsdp"), cfg, rngs)
 
     def __call__(self, x: jax.Array, rope: Rope, bias: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), rope, bias)
-        x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+        x = x + self.attn(self.attn_norm.normalize(x), rope, bias, self.attn_norm.scale[...])
+        hidden = self.up(self.mlp_norm.normalize(x), self.mlp_norm.scale[...])
+        x = x + self.down(jax.nn.gelu(hidden))
         return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, None, None))
 
 
@@ -165,7 +197,11 @@ class Transformer(nnx.Module):
         rope = rotary_angles(positions, self.head_dim, self.max_seq_len)
         for block in self.blocks:
             x = block(x, rope, bias)
-        logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+        # The tied output projection, with the final norm's scale on the table's columns.
+        table = scaled_rows(self.embed.embedding[...].T, self.final_norm.scale[...])
+        h = self.final_norm.normalize(x)
+        h, table = self.embed.promote_dtype((h, table), dtype=self.embed.dtype)
+        logits = jnp.dot(h, table).astype(jnp.float32)
         # Padding rows of the embedding table are not tokens: give them no probability.
         real = jnp.arange(logits.shape[-1]) < self.vocab_size
         return jnp.where(real, logits, jnp.finfo(jnp.float32).min)
