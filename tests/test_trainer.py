@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
-from workloads.model import Transformer
+from workloads.model import Block, Transformer
 from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
     create_train_state,
@@ -75,6 +75,22 @@ def test_attention_never_crosses_documents():
         after = model(changed, pos, seg)
     np.testing.assert_allclose(np.asarray(after)[0, 6:], np.asarray(base)[0, 6:], atol=1e-5)
     assert not np.allclose(np.asarray(after)[0, :6], np.asarray(base)[0, :6])
+
+
+def test_a_norm_scale_applied_by_the_next_projection_is_a_standard_rmsnorm():
+    # The model multiplies a norm's scale into the next kernel's rows (cheaper on CPU); the
+    # result must be flax's own RMSNorm followed by the projection, for any learned scale.
+    from flax import nnx
+
+    with jax.set_mesh(make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])):
+        block = Block(MODEL, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    block.mlp_norm.scale[...] = rng.uniform(0.5, 2.0, MODEL.d_model).astype(np.float32)
+    x = rng.normal(size=(2, 5, MODEL.d_model)).astype(np.float32) * 3.0
+    folded = block.up(block.mlp_norm.normalize(x), block.mlp_norm.scale[...])
+    standard = nnx.RMSNorm.__call__(block.mlp_norm, x) @ block.up.kernel[...]
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(standard), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(folded), np.asarray(block.up(block.mlp_norm.normalize(x))))
 
 
 def test_padding_rows_of_the_vocab_get_no_probability():
