@@ -9,6 +9,8 @@ parameters; logits and the loss are float32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,23 +32,28 @@ class Dense(nnx.Linear):
     """
 
     def __call__(self, x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
-        """`x @ kernel`; `scale` [din], if given, first multiplies `x`'s features (the
-        learned scale of the `RMSNorm` before this projection, see `RMSNorm.normalize`)."""
-        kernel = self.kernel[...] if scale is None else scaled_rows(self.kernel[...], scale)
-        flat, kernel = self.promote_dtype((x.reshape(-1, x.shape[-1]), kernel), dtype=self.dtype)
-        y = jnp.dot(flat, kernel, precision=self.precision)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        """`x @ kernel`, `x`'s features first multiplied by `scale` [din] when given (the
+        learned scale of the `RMSNorm` before this projection)."""
+        return scaled_matmul(x, self.kernel[...], scale, self.promote_dtype, self.dtype)
 
 
-def scaled_rows(matrix: jax.Array, scale: jax.Array) -> jax.Array:
-    """`diag(scale) @ matrix`: `(x * scale) @ matrix` equals `x @ scaled_rows(matrix, scale)`."""
-    return matrix * scale[:, None].astype(matrix.dtype)
+def scaled_matmul(
+    x: jax.Array, matrix: jax.Array, scale: jax.Array | None, promote: Any, dtype: Any
+) -> jax.Array:
+    """`(x * scale) @ matrix` over `x`'s last axis, computed as `x @ (diag(scale) @ matrix)`
+    on the tokens flattened into one matrix (see `Dense`), in `dtype` after `promote`
+    (a Flax module's `promote_dtype`)."""
+    if scale is not None:
+        matrix = matrix * scale[:, None].astype(matrix.dtype)
+    flat, matrix = promote((x.reshape(-1, x.shape[-1]), matrix), dtype=dtype)
+    y = jnp.dot(flat, matrix)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class RMSNorm(nnx.RMSNorm):
     """RMSNorm whose learned scale the next projection applies (`normalize` + `Dense`).
 
-    `normalize(x) @ scaled_rows(W, scale)` is `rmsnorm(x) @ W`, with the scale multiplying
+    `scaled_matmul(normalize(x), W, scale, ...)` is `rmsnorm(x) @ W`, with the scale multiplying
     the [d, out] kernel instead of the [tokens, d] activations. On XLA:CPU the activation-
     sized product was materialised as a broadcast in the backward pass of every norm; with
     the scale moved, the `small` step's kernels outside the matmuls take 234 instead of 283
@@ -197,11 +204,13 @@ class Transformer(nnx.Module):
         rope = rotary_angles(positions, self.head_dim, self.max_seq_len)
         for block in self.blocks:
             x = block(x, rope, bias)
-        # The tied output projection, with the final norm's scale on the table's columns.
-        table = scaled_rows(self.embed.embedding[...].T, self.final_norm.scale[...])
-        h = self.final_norm.normalize(x)
-        h, table = self.embed.promote_dtype((h, table), dtype=self.embed.dtype)
-        logits = jnp.dot(h, table).astype(jnp.float32)
+        logits = scaled_matmul(  # the tied output projection
+            self.final_norm.normalize(x),
+            self.embed.embedding[...].T,
+            self.final_norm.scale[...],
+            self.embed.promote_dtype,
+            self.embed.dtype,
+        ).astype(jnp.float32)
         # Padding rows of the embedding table are not tokens: give them no probability.
         real = jnp.arange(logits.shape[-1]) < self.vocab_size
         return jnp.where(real, logits, jnp.finfo(jnp.float32).min)
