@@ -56,6 +56,16 @@ def test_invalid_utf8_in_a_compressed_file_counts_decompressed_bytes(tmp_path):
         documents(path)
 
 
+def test_zstd_that_starts_with_a_skippable_frame_is_zstd(tmp_path):
+    # pzstd writes a skippable frame (magic 0x184D2A50-5F, then a 4-byte size) before the
+    # data frames; read as text, the compressed bytes would become "documents".
+    for magic in (0x184D2A50, 0x184D2A5F):
+        path = tmp_path / f"{magic:x}.jsonl.zst"
+        skippable = magic.to_bytes(4, "little") + (4).to_bytes(4, "little") + b"\0\0\0\0"
+        path.write_bytes(skippable + CODECS[".zst"](LINES))
+        assert documents(path) == [t.encode() for t in TEXTS]
+
+
 def test_text_that_only_looks_like_a_magic_number_stays_text(tmp_path):
     path = tmp_path / "b.txt"
     path.write_bytes(b"BZh9 is how a bzip2 stream starts, yet this is prose")

@@ -21,6 +21,9 @@ from typing import BinaryIO
 # or that of an empty stream, so a text file that merely starts with "BZh" stays text.
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"
+# A zstd skippable frame (magic 0x184D2A50-5F, little-endian): pzstd starts every file with
+# one, holding the frame sizes it reads back in parallel.
+_ZSTD_SKIPPABLE = re.compile(rb"[\x50-\x5f]\x2a\x4d\x18")
 _XZ = b"\xfd7zXZ\x00"
 _BZIP2 = re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")
 
@@ -37,7 +40,7 @@ def codec_of(head: bytes) -> str | None:
     """The compression whose magic number `head` (a file's first 10 bytes) starts with."""
     if head.startswith(_GZIP):
         return "gzip"
-    if head.startswith(_ZSTD):
+    if head.startswith(_ZSTD) or _ZSTD_SKIPPABLE.match(head):
         return "zstd"
     if head.startswith(_XZ):
         return "xz"
