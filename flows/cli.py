@@ -1,15 +1,16 @@
 """`tpupipe`: run the pipeline locally from a config file.
 
-    tpupipe run --config configs/demo.yaml --set train.steps=50
-    tpupipe validate --config configs/demo.yaml
-    tpupipe shard --source corpus/ --out .tpupipe/datasets
-    tpupipe report demo
+tpupipe run --config configs/demo.yaml --set train.steps=50
+tpupipe validate --config configs/demo.yaml
+tpupipe shard --source corpus/ --out .tpupipe/datasets
+tpupipe report demo
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from flows import report_cli, shard_cli
@@ -22,6 +23,16 @@ def _prefect_defaults() -> None:
     # 2-core machine, and its analytics ping only adds noise offline.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM (docker stop, systemd, Kubernetes, CI time-outs) end the process as
+    Ctrl-C does, by unwinding: `finally` blocks and exit hooks run, so the temporary
+    Prefect server is stopped and a sharding pool shut down. Its default action ended the
+    process at once and left the server running with no parent. Prefect's own handler,
+    which marks a flow run crashed and tears the slice down, runs first during a flow and
+    then re-sends the signal to this one. Exit status stays 143 (128 + SIGTERM)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
     args = _parser().parse_args(argv)
+    _exit_on_sigterm()
     if args.command == "shard":
         return shard_cli.run(args)
     if args.command == "report":

@@ -30,3 +30,58 @@ def processes_mentioning(text: str) -> list[int]:
         if text.encode() in cmdline and state != "Z":
             found.append(int(entry))
     return found
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Processes of a process group that are not zombies."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+def attempt_events(
+    attempt: int,
+    t0: float,
+    resumed: int,
+    last: int,
+    outcome: str,
+    invocation: str | None = None,
+) -> list[dict]:
+    """A synthetic ledger of one attempt that trained steps `resumed`+1 .. `last`.
+
+    Its slice is requested at t0 and ready at +2; it restores `resumed` (if any) at +3,
+    finishes its first step at +5 and then one step a second. At step `last` it finishes
+    (outcome 'completed') or saves and stops (a SIGTERM: 'preempted'), ends 1 s later and
+    deletes its slice 1 s after that. `invocation` stamps the orchestrator's events.
+    """
+    orch = {"attempt": attempt, "source": "orchestrator"}
+    if invocation:
+        orch["invocation"] = invocation
+    work = {"attempt": attempt, "source": "workload"}
+    first, stop = t0 + 5, t0 + 5 + (last - resumed - 1)
+    events = [
+        {"time": t0, "event": "provision_requested", **orch},
+        {"time": t0 + 2, "event": "provision_ready", **orch},
+    ]
+    if resumed:
+        events.append(
+            {"time": t0 + 3, "event": "restored", "step": resumed, "seconds": 1.0, **work}
+        )
+    events.append(
+        {"time": first, "event": "first_step", "step": resumed + 1, "resumed_from": resumed, **work}
+    )
+    if outcome == "completed":
+        events.append({"time": stop, "event": "finished", "step": last, **work})
+    else:
+        events.append({"time": stop, "event": "checkpoint", "step": last, **work})
+        events.append({"time": stop, "event": "preempted", "step": last, **work})
+    events.append({"time": stop + 1, "event": "attempt_ended", "outcome": outcome, **orch})
+    events.append({"time": stop + 2, "event": "deleted", **orch})
+    return events

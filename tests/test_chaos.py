@@ -20,7 +20,7 @@ import pytest
 
 from infra.slices import build_provider
 from tasks.goodput import read_events
-from tests.helpers import REPO, processes_mentioning, tiny_config
+from tests.helpers import REPO, group_alive, processes_mentioning, tiny_config
 from workloads.rundir import RunDir
 
 pytestmark = pytest.mark.chaos
@@ -104,12 +104,12 @@ def test_capacity_errors_back_off_then_succeed_with_one_slice(reference):
     assert build_provider("local", str(root)).list({"run-id": "no-capacity"}) == []
 
 
-def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
-    tmp_path, prefect_harness
-):
+def _orchestrator(tmp_path: Path, name: str) -> subprocess.Popen:
+    """`tpupipe run` of a long tiny run, in a session of its own with its ephemeral API
+    server (as on a user's laptop); returns once the workload is training."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # its own ephemeral API, as a user's laptop would have
-    overrides = [f"storage.root={tmp_path}", "run_name=orphan", "train.steps=100000"]
+    env.pop("PREFECT_API_URL", None)
+    overrides = [f"storage.root={tmp_path}", f"run_name={name}", "train.steps=100000"]
     command = [
         sys.executable,
         "-m",
@@ -124,8 +124,22 @@ def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,  # with its ephemeral API server: both ended below
+        start_new_session=True,
     )
+    status = tmp_path / "runs" / name / "status.json"
+    deadline = time.monotonic() + 240
+    while not (status.exists() and json.loads(status.read_text()).get("phase") == "training"):
+        if time.monotonic() > deadline or orchestrator.poll() is not None:
+            os.killpg(orchestrator.pid, signal.SIGKILL)
+            raise AssertionError("never trained")
+        time.sleep(0.2)
+    return orchestrator
+
+
+def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
+    tmp_path, prefect_harness
+):
+    orchestrator = _orchestrator(tmp_path, "orphan")
     try:
         _kill_the_orchestrator_then_reap(orchestrator, tmp_path)
     finally:
@@ -138,11 +152,6 @@ def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
 def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: Path) -> None:
     from flows.reaper import reap_orphans
 
-    status = tmp_path / "runs" / "orphan" / "status.json"
-    deadline = time.monotonic() + 240
-    while not (status.exists() and json.loads(status.read_text()).get("phase") == "training"):
-        assert time.monotonic() < deadline and orchestrator.poll() is None, "never trained"
-        time.sleep(0.2)
     orchestrator.send_signal(signal.SIGKILL)  # no finally, no hooks: only the reaper is left
     orchestrator.wait()
     config_path = str(tmp_path / "runs" / "orphan" / "config.json")
@@ -157,6 +166,24 @@ def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: P
         assert time.monotonic() < deadline, "slice processes survived the reaper"
         time.sleep(0.1)
     assert reap_orphans(config=config) == []  # idempotent
+
+
+def test_sigterm_to_the_orchestrator_ends_its_slice_and_its_api_server(tmp_path, prefect_harness):
+    # What docker stop, systemd, Kubernetes and CI time-outs send. The orchestrator once
+    # died of it at once and left its temporary Prefect server running with no parent.
+    orchestrator = _orchestrator(tmp_path, "term")
+    try:
+        orchestrator.send_signal(signal.SIGTERM)
+        assert orchestrator.wait(timeout=120) == 128 + signal.SIGTERM
+        config_path = str(tmp_path / "runs" / "term" / "config.json")
+        deadline = time.monotonic() + 30
+        while group_alive(orchestrator.pid) or processes_mentioning(config_path):
+            assert time.monotonic() < deadline, "the API server or the slice outlived the run"
+            time.sleep(0.1)
+        assert build_provider("local", str(tmp_path)).list() == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(orchestrator.pid, signal.SIGKILL)
 
 
 def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(reference):

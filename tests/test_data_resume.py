@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import group_alive
 from tests.test_data import files_of
 from workloads import data
 from workloads.config import DatasetConfig
@@ -46,23 +47,10 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Processes of a process group that are not zombies."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(entry))
-    return alive
-
-
-def kill_when(corpus: Path, out: Path, stage: str, after: int) -> None:
-    """Run the child and SIGKILL its whole process group (workers included) once it has
-    reported `after` progress calls of `stage`."""
+def kill_when(corpus: Path, out: Path, stage: str, after: int, group: bool = True) -> None:
+    """Run the child and SIGKILL its whole process group (workers included), or with
+    `group=False` the child alone, once it has reported `after` progress calls of `stage`.
+    Either way, no process of the group may outlive it by more than a few seconds."""
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(corpus), str(out), stage],
         stdout=subprocess.PIPE,
@@ -77,7 +65,10 @@ def kill_when(corpus: Path, out: Path, stage: str, after: int) -> None:
             if seen >= after:
                 break
     finally:
-        os.killpg(child.pid, signal.SIGKILL)
+        if group:
+            os.killpg(child.pid, signal.SIGKILL)
+        else:  # as the OOM killer, `kill -9` or SIGTERM's default action do
+            os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
         child.stdout.close()
     deadline = time.monotonic() + 10
@@ -86,9 +77,15 @@ def kill_when(corpus: Path, out: Path, stage: str, after: int) -> None:
     assert group_alive(child.pid) == []
 
 
-@pytest.mark.parametrize(("stage", "after"), [("tokenize", 4), ("write", 3)])
-def test_sigkill_mid_run_then_rerun_equals_a_clean_run(corpus, tmp_path, stage, after):
-    kill_when(corpus, tmp_path / "killed", stage, after)
+@pytest.mark.parametrize(
+    ("stage", "after", "group"),
+    [("tokenize", 4, True), ("write", 3, True), ("write", 3, False)],
+    ids=["tokenize", "write", "write-orchestrator-only"],
+)
+def test_sigkill_mid_run_then_rerun_equals_a_clean_run(corpus, tmp_path, stage, after, group):
+    # Killing the orchestrator alone once left its workers running for good, writing into
+    # the directory the rerun below was completing.
+    kill_when(corpus, tmp_path / "killed", stage, after, group)
     (dataset_dir,) = (tmp_path / "killed").iterdir()
     assert not (dataset_dir / "manifest.json").exists()
     with pytest.raises(DatasetError, match="incomplete dataset"):

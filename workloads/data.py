@@ -58,7 +58,7 @@ from workloads.outdir import claimed
 from workloads.packing import (
     UnitJob,
     finished_unit,
-    keep_freed_memory,
+    init_worker,
     tokenize_unit,
     write_shard,
 )
@@ -224,14 +224,16 @@ def _pool(workers: int) -> Iterator[Callable]:
     in worker processes started from a forkserver (forking the orchestrator itself, whose
     Prefect threads may hold locks, could deadlock the child). A `ProcessPoolExecutor`, not
     a `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
-    Workers keep the memory they free (`packing.keep_freed_memory`); this process's
-    allocator, the caller's, is left as it is."""
+    Workers keep the memory they free and exit with this process (`packing.init_worker`);
+    this process's allocator, the caller's, is left as it is."""
     if workers <= 1:
         yield lambda fn, jobs: map(fn, jobs)
         return
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["workloads.packing"])
-    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_freed_memory)
+    executor = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),)
+    )
     try:
         yield lambda fn, jobs: executor.map(fn, jobs)
     except DatasetError:

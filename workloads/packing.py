@@ -21,6 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,8 +157,52 @@ def tokenize_unit(job: UnitJob) -> dict:
     return meta
 
 
+def init_worker(parent: int) -> None:
+    """Sharding workers' initializer: exit with the process that started the pool (pid
+    `parent`), and keep freed memory for reuse (`keep_freed_memory`)."""
+    exit_with(parent)
+    keep_freed_memory()
+
+
+def exit_with(parent: int) -> None:
+    """End this process as soon as process `parent` is gone.
+
+    Workers are children of the forkserver, not of the run, so nothing else stops them
+    when the run is killed (SIGKILL, the OOM killer, or SIGTERM's default action): they
+    went on tokenizing for minutes, holding the caller's stdout open, and renamed shards
+    under the next run of the same dataset. A pidfd wakes a watcher thread the moment the
+    parent exits; where there is none (not Linux), the thread polls once a second.
+    """
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(parent):
+                time.sleep(1.0)
+        os._exit(1)  # no clean-up: the unfinished work is the next run's to redo
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
 def keep_freed_memory() -> None:
-    """Sharding workers' initializer: have glibc's malloc keep freed memory for reuse.
+    """Have glibc's malloc keep freed memory for reuse.
 
     Each encode batch's arrays (several MB) are otherwise handed back to the kernel when
     freed and faulted in afresh by the next batch: sharding the 31 MB stdlib corpus took
