@@ -72,12 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
     from tasks.prepare import DatasetError
+    from tasks.run_lock import RunInUse
 
     try:
         run = tpu_training_pipeline(config=config)
     except (ConfigError, DatasetError) as exc:
         # The config or its input must change (the flow raises these before provisioning).
         print(f"invalid config or input:\n{exc}", file=sys.stderr)
+        return 2
+    except RunInUse as exc:  # also raised before anything is provisioned
+        print(f"not started:\n{exc}", file=sys.stderr)
         return 2
     except Exception as exc:
         print(f"pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)

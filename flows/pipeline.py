@@ -15,6 +15,7 @@ from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, verify_checkpoint
 from tasks.landing import land_metrics, publish_summary
 from tasks.prepare import shard_dataset, validate_config
+from tasks.run_lock import run_held
 from tasks.teardown import delete_flow_run_slices
 from tasks.training import teardown_slice, train_with_retries
 from workloads.config import PipelineConfig
@@ -31,18 +32,20 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
     land, tearing the slice down whatever fails. A failed run still lands a `runs` row."""
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
-    verified = result = None
-    try:
-        config_path = shard_dataset(config, plan)
+    with run_held(plan):  # RunInUse if another orchestrator runs it: nothing spent, no row
+        verified = result = None
         try:
-            train_with_retries(config)(config, plan, config_path)
-        finally:
-            teardown_slice(config, plan)
-        verified = verify_checkpoint(config, plan)
-        result = evaluate_checkpoint(plan, verified.step)
-    except Exception as exc:
-        land_metrics(config, plan, started, verified, result, error=f"{type(exc).__name__}: {exc}")
-        raise
-    run = land_metrics(config, plan, started, verified, result)
-    publish_summary(config, plan, run)
-    return run
+            config_path = shard_dataset(config, plan)
+            try:
+                train_with_retries(config)(config, plan, config_path)
+            finally:
+                teardown_slice(config, plan)
+            verified = verify_checkpoint(config, plan)
+            result = evaluate_checkpoint(plan, verified.step)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            land_metrics(config, plan, started, verified, result, error=error)
+            raise
+        run = land_metrics(config, plan, started, verified, result)
+        publish_summary(config, plan, run)
+        return run

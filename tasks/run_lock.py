@@ -1,0 +1,75 @@
+"""One orchestrator per run: a second `tpupipe run` of a run name that is being run stops
+before it provisions anything.
+
+Without it, two orchestrators of one run name shared the slice name: the second deleted the
+first one's live slice while creating its own, the first then watched the second's workload
+as its own, and both wrote the same attempt numbers into the run's ledger and landed its
+`runs` row. The lock is an flock on a file under the local state root (the storage root, or
+`./.tpupipe` when that is in GCS), so the kernel releases it when its holder dies, however
+it dies: a killed orchestrator never blocks the rerun that resumes its run. It guards the
+orchestrators of one machine; orchestrators of one `gs://` run on two machines are not
+kept apart.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.plan import RunPlan
+
+
+class RunInUse(RuntimeError):
+    """Another live orchestrator is running this run."""
+
+
+def lock_path(plan: RunPlan) -> Path:
+    """The lock file of the run `plan` names."""
+    return Path(plan.slices_root) / "locks" / f"{plan.run_name}.lock"
+
+
+@contextmanager
+def run_held(plan: RunPlan) -> Iterator[None]:
+    """Hold the run's lock while the body runs; the file records who holds it.
+
+    Raises:
+        RunInUse: naming the holder (pid, host, flow run, since when), at once: a run can
+            take hours, so waiting for it would only hide the mistake.
+    """
+    path = lock_path(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunInUse(
+                f"run {plan.run_name!r} is being run by another orchestrator "
+                f"({_describe(path)}); wait for it to end, or choose another run_name"
+            ) from None
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "flow_run_id": plan.flow_run_id,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _describe(path: Path) -> str:
+    try:
+        owner = json.loads(path.read_text())
+        where = f"pid {owner['pid']} on {owner['host']} since {owner['since']}"
+        return f"{where}, flow run {owner['flow_run_id']}" if owner.get("flow_run_id") else where
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"lock {path}"  # the holder is between taking the lock and writing to it

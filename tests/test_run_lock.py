@@ -1,0 +1,73 @@
+"""One orchestrator per run name: a second one stops before it provisions anything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from infra.slices import build_provider
+from tasks.plan import plan_run
+from tasks.run_lock import RunInUse, lock_path, run_held
+from tests.helpers import REPO, tiny_config
+
+HOLDER = """
+import sys, time
+from tasks.plan import plan_run
+from tasks.run_lock import run_held
+from tests.helpers import tiny_config
+
+with run_held(plan_run(tiny_config(sys.argv[1], "run_name=busy"))):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_held_run_refuses_a_second_orchestrator_and_names_the_first(tmp_path):
+    plan = plan_run(tiny_config(tmp_path, "run_name=busy"))
+    with run_held(plan):
+        with (
+            pytest.raises(RunInUse, match=rf"run 'busy' is .*pid {os.getpid()} on "),
+            run_held(plan),
+        ):
+            pass
+        with run_held(plan_run(tiny_config(tmp_path, "run_name=other"))):
+            pass  # another run name is another lock
+    with run_held(plan):  # released on exit
+        pass
+
+
+def test_a_killed_holder_never_blocks_the_rerun(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        plan = plan_run(tiny_config(tmp_path, "run_name=busy"))
+        with pytest.raises(RunInUse, match=f"pid {holder.pid} "), run_held(plan):
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no clean-up: the kernel drops the flock
+        holder.wait()
+        holder.stdout.close()
+    with run_held(plan):
+        assert lock_path(plan).exists()
+
+
+def test_tpupipe_run_of_a_run_being_run_exits_2_before_provisioning(
+    tmp_path, prefect_harness, capsys
+):
+    from flows.cli import main
+
+    config = REPO / "configs" / "tiny.yaml"
+    with run_held(plan_run(tiny_config(tmp_path, "run_name=busy"))):
+        args = ["--set", f"storage.root={tmp_path}", "--set", "run_name=busy"]
+        code = main(["run", "--config", str(config), *args])
+    assert code == 2
+    assert "being run by another orchestrator" in capsys.readouterr().err
+    assert build_provider("local", str(tmp_path)).list() == []  # nothing was created
+    assert not (tmp_path / "runs" / "busy" / "config.json").exists()  # nor sharded for it
+    assert not (tmp_path / "metrics.duckdb").exists()  # and no `runs` row was landed
