@@ -13,7 +13,7 @@ from prefect import flow, runtime
 
 from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, verify_checkpoint
-from tasks.landing import land_metrics, publish_summary
+from tasks.landing import land_failure, land_metrics, publish_summary
 from tasks.prepare import shard_dataset, validate_config
 from tasks.run_lock import run_held
 from tasks.teardown import delete_flow_run_slices
@@ -29,7 +29,8 @@ from workloads.config import PipelineConfig
 )
 def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow:  # noqa: B008
     """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
-    land, tearing the slice down whatever fails. A failed run still lands a `runs` row."""
+    land, tearing the slice down whatever fails. A failed run still lands a `runs` row, one
+    stopped by Ctrl-C or SIGTERM too."""
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
     with run_held(plan):  # RunInUse if another orchestrator runs it: nothing spent, no row
@@ -42,9 +43,8 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
                 teardown_slice(config, plan)
             verified = verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            land_metrics(config, plan, started, verified, result, error=error)
+        except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row
+            land_failure(config, plan, started, verified, result, exc)
             raise
         run = land_metrics(config, plan, started, verified, result)
         publish_summary(config, plan, run)

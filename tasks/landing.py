@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -126,6 +127,37 @@ def _fingerprint(plan: RunPlan) -> str:
         return os.path.basename(load_workload_config(plan).dataset_dir.rstrip("/"))
     except FileNotFoundError:
         return ""
+
+
+def describe_error(exc: BaseException) -> str:
+    """What a failed run's `runs.error` says: the exception's type and message, or for a
+    termination signal (Prefect's `TerminationSignal`, which has no message) its name."""
+    signum = getattr(exc, "signal", None)
+    if isinstance(signum, int):
+        return f"{type(exc).__name__}: the orchestrator received {signal.Signals(signum).name}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def land_failure(
+    config: PipelineConfig,
+    plan: RunPlan,
+    started_at: datetime,
+    verified: VerifiedCheckpoint | None,
+    result: EvalResult | None,
+    exc: BaseException,
+) -> None:
+    """Land the `runs` row of a run that `exc` stopped, before `exc` propagates.
+
+    For an interruption (Ctrl-C, SIGTERM, a cancellation: not an `Exception`) the row is
+    best effort: if landing fails too, that is logged and the interruption goes on, so a
+    run is never held up, nor its cause replaced, by its metrics.
+    """
+    try:
+        land_metrics(config, plan, started_at, verified, result, error=describe_error(exc))
+    except Exception as landing:
+        if isinstance(exc, Exception):
+            raise
+        get_run_logger().warning("could not land the interrupted run's row: %s", landing)
 
 
 @task(name="land-metrics", cache_policy=NONE)

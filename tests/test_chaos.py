@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.metrics import DuckDBSink
 from infra.slices import build_provider
 from tasks.goodput import read_events
 from tests.helpers import REPO, group_alive, processes_mentioning, tiny_config
@@ -181,6 +182,9 @@ def test_sigterm_to_the_orchestrator_ends_its_slice_and_its_api_server(tmp_path,
             assert time.monotonic() < deadline, "the API server or the slice outlived the run"
             time.sleep(0.1)
         assert build_provider("local", str(tmp_path)).list() == []
+        sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))  # and it still landed its row
+        ((status, error),) = sink.query("SELECT status, error FROM runs WHERE run_id = 'term'")
+        assert status == "failed" and "SIGTERM" in error
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)
