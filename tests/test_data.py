@@ -55,7 +55,12 @@ def test_resolve_sources_orders_by_entry_then_key_and_dedups(tmp_path):
     # The sub-directory entry comes first, keyed relative to itself; the files it named
     # are not repeated for the later entries.
     assert [f.key for f in files] == [
-        "doc1.txt", "doc3.txt", "doc5.txt", "doc0.txt", "doc2.txt", "doc4.txt"
+        "doc1.txt",
+        "doc3.txt",
+        "doc5.txt",
+        "doc0.txt",
+        "doc2.txt",
+        "doc4.txt",
     ]
     first = corpus / "doc0.txt"
     assert data.SourceFile(str(first), "doc0.txt", 700, first.stat().st_mtime_ns) in files
@@ -77,6 +82,28 @@ def test_missing_unreadable_and_empty_sources_are_named(tmp_path):
         data.resolve_sources([str(tmp_path / "dangling.txt")])
     with pytest.raises(DatasetError, match=r"gs://bucket/c4.*needs a storage backend"):
         data.resolve_sources(["gs://bucket/c4"])
+
+
+def test_a_glob_ending_in_a_slash_matches_directories_only(tmp_path):
+    corpus = make_corpus(tmp_path)
+    (corpus / "README").write_text("not corpus")
+    # As in the shell: `*/` names the directories (whose files are taken), not the files.
+    for entry in (f"{corpus}/*/", f"{corpus}/s*/"):
+        keys = [f.key for f in data.resolve_sources([entry])]
+        assert keys == ["sub/doc1.txt", "sub/doc3.txt", "sub/doc5.txt"], entry
+    for entry in (f"{corpus}/*.txt/", f"{corpus}/s*/doc1.txt/"):
+        with pytest.raises(DatasetError, match=r"\.txt/' matches no file"):
+            data.resolve_sources([entry])
+
+
+def test_a_blank_source_entry_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch):
+    make_corpus(tmp_path)
+    monkeypatch.chdir(tmp_path / "corpus")  # what an empty entry would have sharded
+    for entry in ("", "  "):
+        with pytest.raises(DatasetError, match=f"dataset source {entry!r} is empty"):
+            data.resolve_sources([entry])
+        with pytest.raises(ValueError, match=f"source 2 is {entry!r}, which names nothing"):
+            DatasetConfig(sources=["stdlib", entry])
 
 
 def test_a_file_that_vanishes_or_changes_after_listing_is_named(tmp_path, monkeypatch):
@@ -344,8 +371,7 @@ def test_byte_encoding_is_each_documents_bytes_then_eod_whatever_their_length(me
 
     rng = random.Random(mean_length)
     docs = [
-        bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 2 * mean_length)))
-        for _ in range(40)
+        bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 2 * mean_length))) for _ in range(40)
     ]
     want = [t for doc in docs for t in (*doc, EOD_TOKEN)]
     ids, last = tokens.encode(tokens.BYTES, docs)

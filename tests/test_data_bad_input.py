@@ -10,6 +10,7 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -276,3 +277,41 @@ def test_a_short_train_split_shows_both_splits_sizes(tmp_path):
     assert re.search(r"train \d+ tokens in \d document\(s\), eval \d+ tokens in \d", message)
     train, evals = (int(n) for n in re.findall(r"(\d+) tokens", message))
     assert train + evals == 5000 + len("short one") + len("short two") + 3  # text + EODs
+
+
+def test_an_out_directory_that_is_a_source_directory_is_refused(tmp_path):
+    # The corpus and its datasets would share one directory (the next run's corpus).
+    corpus = make_corpus(tmp_path)
+    (tmp_path / "alias").symlink_to(corpus)
+    for entry, out in ((corpus, corpus), (corpus, tmp_path / "alias"), (corpus / "*.txt", corpus)):
+        message = f"datasets directory {out} is dataset source '{entry}' "
+        with pytest.raises(DatasetError, match=re.escape(message)):
+            data.shard_dataset(cfg_for(entry), out)
+    assert sorted(p.name for p in corpus.iterdir()) == ["doc0.txt", "doc2.txt", "doc4.txt", "sub"]
+    # An out directory that holds the sources is fine: `--source corpus --out .`.
+    for entry in (corpus / "sub", corpus / "sub" / "*.txt"):
+        result = data.shard_dataset(cfg_for(entry, eval_fraction=0.4), corpus)
+        assert Path(result.dataset_dir).parent == corpus
+
+
+def test_a_dataset_directory_left_in_a_source_is_not_corpus(tmp_path):
+    corpus = make_corpus(tmp_path)
+    first = data.shard_dataset(cfg_for(corpus), corpus / "ds")  # allowed: walks skip it
+    # A run killed before its manifest: shards already renamed, `.lock` and `.work/`.
+    killed = corpus / "old" / "0123456789abcdef"
+    (killed / ".work").mkdir(parents=True)
+    (killed / ".lock").write_text("")
+    (killed / "train-00000-of-00001.arrayrecord").write_bytes(b"\xff\xfe\x00binary")
+    # A file merely called manifest.json is corpus like any other.
+    (corpus / "app").mkdir()
+    (corpus / "app" / "manifest.json").write_text('{"name": "app", "fingerprint": "x"}')
+    want = sorted([*(s["key"] for s in first.manifest["sources"]), "app/manifest.json"])
+    for entry in (corpus, corpus / "**", corpus / "**" / "*"):
+        assert sorted(f.key for f in data.resolve_sources([str(entry)])) == want, entry
+    deeper = sorted(f.key for f in data.resolve_sources([str(corpus / "*" / "*")]))
+    assert deeper == ["app/manifest.json", "sub/doc1.txt", "sub/doc3.txt", "sub/doc5.txt"]
+    # Another out: the datasets left in the corpus are not read (strict UTF-8 would fail).
+    again = data.shard_dataset(cfg_for(corpus), tmp_path / "other")
+    assert sorted(s["key"] for s in again.manifest["sources"]) == want
+    with pytest.raises(DatasetError, match=r"is a tpupipe dataset directory .*not a corpus"):
+        data.resolve_sources([first.dataset_dir])

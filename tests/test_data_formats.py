@@ -165,6 +165,45 @@ def test_bad_parquet_names_file_column_and_row(tmp_path):
         documents(tmp_path / "junk.parquet", format="parquet")
 
 
+def test_a_parquet_column_named_with_a_dot_is_taken_before_a_struct_path(tmp_path):
+    # pyarrow selects columns by dotted path, so a name would also pick struct meta's child
+    # `text`, listed first here: the column is read by its index instead.
+    path = tmp_path / "both.parquet"
+    structs = pa.array([{"text": "from the struct"}] * len(TEXTS))
+    pq.write_table(pa.table({"meta": structs, "meta.text": TEXTS}), path, row_group_size=7)
+    assert documents(path, text_field="meta.text") == [t.encode() for t in TEXTS]
+    result = data.shard_dataset(cfg(path, text_field="meta.text", workers=1), tmp_path / "o")
+    splits = result.manifest["splits"]
+    assert splits["train"]["bytes"] + splits["eval"]["bytes"] == sum(map(len, TEXTS))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_parquet_column_name_given_twice_is_named_and_leaves_nothing(tmp_path, workers):
+    path = tmp_path / "dup.parquet"
+    twice = pa.Table.from_arrays([pa.array(TEXTS), pa.array(TEXTS)], names=["text", "text"])
+    pq.write_table(twice, path)
+    message = r"dup\.parquet: column 'text' appears 2 times"
+    with pytest.raises(DatasetError, match=message):
+        data.shard_dataset(cfg(path, workers=workers), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # no partial .work directory left behind
+    nested = pa.array([{"text": t} for t in TEXTS], pa.struct([("text", pa.string())] * 2))
+    pq.write_table(pa.table({"meta": nested}), path)
+    with pytest.raises(DatasetError, match=r"dup\.parquet: column 'meta\.text' appears 2 times"):
+        documents(path, text_field="meta.text")
+
+
+def test_a_lone_cr_does_not_end_a_line_and_the_error_says_so(tmp_path):
+    # Lines end at "\n" (a "\r\n" ending counts as one); splitting at "\r" too would
+    # change the bytes of datasets already built, so a CR-only file is one line.
+    path = tmp_path / "mac.txt"
+    path.write_bytes(b"\r".join(t.encode() for t in TEXTS) + b"\r")
+    assert documents(path, text_unit="line") == [path.read_bytes()]  # bytes unchanged
+    message = r"give 1 document\(s\).*mac\.txt has '\\r' line endings and no '\\n'"
+    with pytest.raises(DatasetError, match=message):
+        data.shard_dataset(cfg(path, text_unit="line"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def bpe_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> Path:
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -76,3 +76,26 @@ def test_shard_command_names_an_out_that_is_not_a_directory_and_bad_json(tmp_pat
         capsys.readouterr().err
     )
     assert not out.exists()  # nothing half-written left behind
+
+
+def test_a_blank_source_is_an_invalid_option_in_the_cli_and_the_config(tmp_path, capsys):
+    out = str(tmp_path / "ds")
+    # An unset variable (--source "$CORPUS") must not shard the current directory.
+    assert main(["shard", "--source", "", "--out", out]) == 2
+    assert "--source: source 1 is '', which names nothing" in capsys.readouterr().err
+    config = tmp_path / "c.yaml"
+    config.write_text("dataset:\n  sources: [stdlib, ' ']\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    assert "c.yaml:2: dataset.sources: source 2 is ' ', which names nothing" in (
+        capsys.readouterr().err
+    )
+    assert not Path(out).exists()
+
+
+def test_shard_command_refuses_an_out_that_is_the_source(tmp_path, capsys):
+    corpus = make_corpus(tmp_path)
+    argv = ["shard", "--source", str(corpus), "--out", str(corpus), "--workers", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"datasets directory {corpus} is dataset source '{corpus}'" in err
+    assert sorted(p.name for p in corpus.iterdir()) == ["doc0.txt", "doc2.txt", "doc4.txt", "sub"]

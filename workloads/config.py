@@ -101,6 +101,19 @@ class DatasetConfig(_Strict):
         ),
     )
 
+    @field_validator("sources")
+    @classmethod
+    def _sources_name_something(cls, value: list[str]) -> list[str]:
+        # An empty entry (an unset variable: --source "$CORPUS") is not "no path": globbing
+        # reads it as the current directory, which would then be sharded.
+        for n, entry in enumerate(value, start=1):
+            if not entry.strip():
+                raise ValueError(
+                    f"source {n} is {entry!r}, which names nothing; give a file, directory, "
+                    "glob, gs:// prefix or 'stdlib'"
+                )
+        return value
+
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_is_a_file(cls, value: str | None) -> str | None:

@@ -19,8 +19,8 @@ A run has three phases, each safe to kill:
 Output bytes depend on neither the worker count nor the unit size. A lock file (`.lock`)
 serialises concurrent runs on the same directory; a run that fails on bad input removes the
 directory (see `workloads.outdir`), one that is killed leaves it for the next to resume.
-Sources are never read from inside `out_root`, so a datasets directory may sit in a
-source directory.
+Sources are never read from inside `out_root` nor from a dataset directory, so a datasets
+directory may sit in a source directory; `out_root` itself may not be a source directory.
 
 Split: a document goes to eval when a hash of its key (its path relative to its source
 root, plus `#n` for the n-th document of a JSONL, Parquet or line-per-document file) falls
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workloads.config import DatasetConfig
-from workloads.documents import file_format
+from workloads.documents import ReadOptions, file_format, lone_cr_hint
 from workloads.listing import resolve_sources
 from workloads.manifest import (
     FORMAT_VERSION,
@@ -189,7 +189,11 @@ def shard_dataset(
         workers = min(_workers(cfg, files), max(len(units), cfg.num_shards + 1))
         with _pool(workers) as run:
             metas = _tokenize(units, run, progress)
-            splits = plan_splits(units, metas, cfg, tokenizer, str(directory))
+            try:
+                splits = plan_splits(units, metas, cfg, tokenizer, str(directory))
+            except DatasetError as exc:  # too little text: a file of CR-ended lines may be why
+                hint = lone_cr_hint(files, ReadOptions.of(cfg), store)
+                raise DatasetError(f"{exc}{hint}") from None
             _write(splits, run, progress)
         manifest = _manifest(fingerprint, cfg, tokenizer, files, splits)
         write_manifest(directory, manifest)

@@ -8,7 +8,9 @@ sequence becomes U+FFFD, as Python's `bytes.decode(errors="replace")` does.
 Formats (`ReadOptions.format`, from `DatasetConfig`; "auto" picks one per file by its name,
 see `file_format`):
     text: the whole file is one document (`text_unit="file"`), or each line that is not
-        blank is one (`text_unit="line"`; the line break is not part of it).
+        blank is one (`text_unit="line"`; the line break is not part of it). Lines end at
+        LF ("\\n"; a CRLF ending counts as one), not at a lone CR ("\\r"): changing that
+        would change the bytes of existing datasets, so `lone_cr_hint` explains instead.
     jsonl: one JSON object per line, its text in `text_field`; blank lines are skipped.
     parquet: the text is in column `text_field` (string or binary, plain, large, view or
         dictionary-encoded); a null is an error. Rows are numbered from 1, like lines.
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from workloads import compression
-from workloads.sources import DatasetError, SourceFile
+from workloads.sources import DatasetError, SourceFile, SourceStore, open_source
 
 if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
@@ -151,6 +153,35 @@ def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the
         ) from None
 
 
+def lone_cr_hint(
+    files: list[SourceFile], opts: ReadOptions, store: SourceStore | None = None
+) -> str:
+    """A note for a "too few documents" error: the first file read in line mode whose first
+    64 KiB hold a CR but no LF (old Mac line endings), so it is one single line.
+
+    Lines end at LF only, and that stays (it would change existing datasets' bytes), so
+    the user is told why the lines were not split. Only called once a run has failed, and
+    only its first 16 files are looked at: it must not cost a second pass over a corpus.
+
+    Returns:
+        "" or a sentence starting with "; ", to append to the error message.
+    """
+    for src in files[:16]:
+        if opts.format_of(src.uri) != "text" or opts.text_unit != "line":
+            continue
+        try:
+            with open_source(src, store) as fh:
+                head = compression.open_decompressed(fh)[0].read(1 << 16)
+        except (DatasetError, *compression.ERRORS):
+            continue  # only a hint: the error it is added to stands anyway
+        if b"\r" in head and b"\n" not in head:
+            return (
+                f"; {src.uri} has '\\r' line endings and no '\\n': with text_unit=line, lines "
+                "end at '\\n' only, so it is one line (convert it, e.g. tr '\\r' '\\n')"
+            )
+    return ""
+
+
 def _numbered_lines(stream: BinaryIO, offset: int) -> Iterator[tuple[int, int, bytes]]:
     """(line number, byte offset of the line, line without its line break), the first
     line at `offset`."""
@@ -244,7 +275,7 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{src.uri}: not a readable Parquet file: {exc}") from None
     schema = pf.schema_arrow
-    path = _column_path(schema, field)
+    path = _column_path(schema, field, src.uri)
     if path is None:
         columns = ", ".join(schema.names[:10])
         raise DatasetError(f"{src.uri}: no column {field!r} (columns: {columns}); set text_field")
@@ -256,10 +287,19 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
     is_binary = t.is_binary(kind) or t.is_large_binary(kind) or t.is_binary_view(kind)
     if not (is_text or is_binary):
         raise DatasetError(f"{src.uri}: column {field!r} has type {kind}, not text")
+    # The column is read by its index among the file's leaf columns, not by name: pyarrow
+    # takes a name as a dotted path prefix, so "meta.text" would also select the child of
+    # a struct `meta` (and read it first), and a name given twice has no single column.
+    # `column_paths` splits each leaf's path into its names, so a dot inside one is kept.
+    names = [f.name for f in path]
+    leaves = [i for i, p in enumerate(pf.reader.column_paths) if p == names]
+    if len(leaves) != 1:  # not expected once the names are unique, but never a KeyError
+        raise DatasetError(f"{src.uri}: column {field!r} is not one Parquet column")
+    leaf = leaves[0]
     row = 1
     for group in range(pf.num_row_groups):
         try:
-            column = pf.read_row_group(group, columns=[field]).column(0)
+            column = pf.reader.read_row_group(group, column_indices=[leaf]).column(0)
             for child in path[1:]:  # a nested column is read as its parents' structs
                 column = pc.struct_field(column, child.name)
         except (pa.ArrowException, OSError) as exc:
@@ -279,20 +319,31 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
             row += 1
 
 
-def _column_path(schema: object, field: str) -> list | None:
-    """The fields from the top-level column down to `field`: one for a column of that name,
-    more for a dotted path into struct columns (`meta.text`); None if there is none."""
+def _column_path(schema: object, field: str, uri: str) -> list | None:
+    """The fields from the top-level column down to `field`: one for a column of that name
+    (taken first), more for a dotted path into struct columns (`meta.text`); None if there
+    is none.
+
+    Raises:
+        DatasetError: naming the file and the column, if a name on the way is given twice
+            (a file may hold two columns of one name; which is the text is unknowable).
+    """
     import pyarrow as pa
 
-    if field in schema.names:
-        return [schema.field(field)]
+    parts = [field] if field in schema.names else field.split(".")
     path: list = []
     parent = schema  # then each struct type on the way down; None below a leaf
-    for part in field.split("."):
-        index = parent.get_field_index(part) if parent is not None else -1
-        if index < 0:  # absent (or a name given twice)
+    for part in parts:
+        found = parent.get_all_field_indices(part) if parent is not None else []
+        if not found:
             return None
-        path.append(parent.field(index))
+        if len(found) > 1:
+            name = ".".join([*(f.name for f in path), part])
+            raise DatasetError(
+                f"{uri}: column {name!r} appears {len(found)} times; the text column must "
+                "have a name of its own"
+            )
+        path.append(parent.field(found[0]))
         parent = path[-1].type if pa.types.is_struct(path[-1].type) else None
     return path
 

@@ -13,7 +13,9 @@ so the same corpus unpacked in another directory or on another machine gives the
 Files are ordered by entry, then by key; a file reached twice (by two entries, or through a
 symlink) counts once, for the first. Only regular files are read: a FIFO or device named
 as a source is an error, as it could block a read forever. Neither directory walks nor `**`
-follow directory symlinks, so a link to an ancestor cannot loop.
+follow directory symlinks, so a link to an ancestor cannot loop. A glob ending in "/" matches
+directories only, as in the shell. No walk or glob enters a tpupipe dataset directory
+(`is_dataset_dir`): its shards are not text.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import re
 import stat
 import sysconfig
 
+from workloads.manifest import MANIFEST
+from workloads.outdir import is_dataset_dir
 from workloads.sources import DatasetError, SourceFile, SourceStore
 
 _GLOB = re.compile(r"[*?\[]")
@@ -39,19 +43,27 @@ def resolve_sources(
     Args:
         sources: Entries as described in the module docstring.
         store: Lists and opens `scheme://` entries; needed only when there are any.
-        exclude: A local directory that directory walks and globs never enter: the
-            datasets directory, so shards written inside a source directory are not read
-            back as sources by the next run.
+        exclude: The local datasets directory: directory walks and globs never enter it, so
+            shards written inside a source directory are not read back as sources by the
+            next run, and it may neither be nor contain a local source (`check_out_root`).
 
     Returns:
         The files, by entry and then by key.
 
     Raises:
-        DatasetError: An entry matches no file, a file is not readable or not a regular
-            file, or a URI entry has no store to read it.
+        DatasetError: An entry is blank or matches no file, a file is not readable or not
+            a regular file, a URI entry has no store to read it, or `exclude` is or holds
+            a source.
     """
     if not sources:
         raise DatasetError("the dataset has no sources: give at least one file, directory or glob")
+    for entry in sources:
+        if not entry.strip():  # "" is a path: os.path.isdir("") is False, but globs read "."
+            raise DatasetError(
+                f"dataset source {entry!r} is empty: give a file, directory, glob or gs:// prefix"
+            )
+    if exclude is not None:
+        check_out_root(sources, exclude)
     skip = _dir_id(exclude)
     found: dict[str, SourceFile] = {}
     for entry in sources:
@@ -64,6 +76,44 @@ def resolve_sources(
         for real, f in sorted(files, key=lambda rf: rf[1].key):
             found.setdefault(real, f)  # by real path: a file behind two names is read once
     return list(found.values())
+
+
+def check_out_root(sources: list[str], out_root: str | os.PathLike) -> None:
+    """Refuse a datasets directory that is a local source's own directory.
+
+    Walks skip `out_root` when they meet it, and never enter a dataset directory, but with
+    `--out` equal to the source directory the corpus and its datasets would share one
+    directory, and anything else written there lands in the next run's corpus: refused,
+    naming both. `out_root` inside a source directory is fine (the walk skips it), and so
+    is one that holds a source (`--source corpus --out .`).
+
+    Args:
+        sources: The source entries; URIs are never local.
+        out_root: The local datasets directory (it may not exist yet).
+
+    Raises:
+        DatasetError: naming both paths.
+    """
+    out = os.path.realpath(out_root)
+    for entry in sources:
+        if "://" in entry:
+            continue
+        real = os.path.realpath(_entry_root(entry))
+        if real == out and os.path.isdir(real):
+            raise DatasetError(
+                f"the datasets directory {os.fspath(out_root)} is dataset source {entry!r} "
+                f"({real}): its shards would sit among the corpus; choose a datasets "
+                "directory (--out) that is not a source directory"
+            )
+
+
+def _entry_root(entry: str) -> str:
+    """The local path a source entry reads below: itself, or a glob's static directory."""
+    if entry == "stdlib":
+        return sysconfig.get_paths()["stdlib"]
+    if os.path.lexists(entry) or not _GLOB.search(entry):
+        return entry
+    return _static_prefix(entry)
 
 
 # A local file with its real path (symlinks resolved), the identity duplicates share.
@@ -86,6 +136,11 @@ def _expand_local(entry: str, skip: DirId = None) -> list[Located]:
         root = sysconfig.get_paths()["stdlib"]
         return _walk(root, root, skip, names={"site-packages"}, suffix=".py")
     if os.path.isdir(entry):
+        if is_dataset_dir(entry):
+            raise DatasetError(
+                f"dataset source {entry!r} is a tpupipe dataset directory (it has a "
+                f"{MANIFEST}), not a corpus: give the files it was sharded from"
+            )
         return _walk(entry, entry, skip)
     if os.path.lexists(entry):  # also a FIFO or dangling link: refused by name in _local
         return [(os.path.realpath(entry), _local(entry, os.path.dirname(os.path.abspath(entry))))]
@@ -118,10 +173,12 @@ def _static_prefix(pattern: str) -> str:
 def _glob(pattern: str, skip: DirId) -> list[str]:
     """Paths matching `pattern` as `glob.glob(pattern, recursive=True)` finds them, except
     that `**` never descends through a directory symlink (`glob` does, and loops through a
-    link to an ancestor until the path is too long) nor into the `skip` directory. As in
-    `glob`, wildcards match no leading "." unless the pattern has one."""
+    link to an ancestor until the path is too long) nor into the `skip` directory or a
+    dataset directory. As in `glob`, wildcards match no leading "." unless the pattern has
+    one, and a pattern ending in "/" matches only directories."""
     parts = [p for p in pattern.split(os.sep) if p]
     bases = [os.sep if pattern.startswith(os.sep) else os.curdir]
+    dirs_at_end = pattern.endswith(os.sep)  # `corpus/*/`: the shell's directories only
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         matches: list[str] = []
@@ -130,10 +187,11 @@ def _glob(pattern: str, skip: DirId) -> list[str]:
                 # The last `**` names whole directories, which the caller walks.
                 matches.extend([base] if last else _subdirs(base, skip))
             elif not _GLOB.search(part):
-                if os.path.lexists(os.path.join(base, part)):
-                    matches.append(os.path.join(base, part))
+                path = os.path.join(base, part)
+                if os.path.isdir(path) if last and dirs_at_end else os.path.lexists(path):
+                    matches.append(path)
             else:
-                matches.extend(_matching(base, part, skip, dirs_only=not last))
+                matches.extend(_matching(base, part, skip, dirs_only=dirs_at_end or not last))
         bases = list(dict.fromkeys(matches))  # "a/**/**/b" reaches a path more than once
     return bases
 
@@ -144,6 +202,8 @@ def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
             entries = list(it)
     except OSError:  # not a directory, or unreadable: no match, as in `glob`
         return []
+    if is_dataset_dir(base, {e.name for e in entries}):
+        return []  # `corpus/*/*.arrayrecord` must not reach into a dataset either
     hidden = part.startswith(".")
     return [
         e.path
@@ -156,11 +216,11 @@ def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
 
 
 def _subdirs(top: str, skip: DirId) -> list[str]:
-    """`top` and every directory below it that is not hidden, not through symlinks."""
+    """`top` and every directory below it that is neither hidden nor a dataset directory,
+    not through symlinks."""
     out, pending = [], [top]
     while pending:
         directory = pending.pop()
-        out.append(directory)
         try:
             with os.scandir(directory) as it:
                 entries = list(it)
@@ -168,6 +228,9 @@ def _subdirs(top: str, skip: DirId) -> list[str]:
             raise DatasetError(
                 f"dataset source directory {directory} is not readable: {exc.strerror}"
             ) from exc
+        if is_dataset_dir(directory, {e.name for e in entries}):
+            continue
+        out.append(directory)
         pending.extend(
             e.path
             for e in entries
@@ -193,8 +256,8 @@ def _walk(
     suffix: str = "",
 ) -> list[Located]:
     """Regular files below directory `top` (not following directory links, not entering
-    the `skip` directory nor ones called one of `names`, skipping hidden files and
-    directories as globs do), keyed relative to `root`.
+    the `skip` directory, a dataset directory nor ones called one of `names`, skipping
+    hidden files and directories as globs do), keyed relative to `root`.
     `os.scandir` knows each entry's type without a `stat`, which matters for corpora of
     many small files; for the same reason a file's real path is `top`'s plus its
     relative path, unless the file is itself a link."""
@@ -210,6 +273,8 @@ def _walk(
             raise DatasetError(
                 f"dataset source directory {directory} is not readable: {exc.strerror}"
             ) from exc
+        if is_dataset_dir(directory, {e.name for e in entries}):
+            continue  # e.g. a datasets directory an earlier run left in the corpus
         for e in entries:
             if e.name.startswith("."):  # .git, .DS_Store, editors' swap files: not corpus
                 continue

@@ -1,5 +1,6 @@
 """The directory a sharding run writes (`{out_root}/{fingerprint}/`): creating it, holding
-its lock, and removing what a run that failed on bad input leaves behind.
+its lock, removing what a run that failed on bad input leaves behind, and recognising one
+(`is_dataset_dir`) so that no corpus walk reads it.
 
 A lock file (`.lock`, flock) serialises concurrent runs on the same directory; the kernel
 releases it when its holder dies, so a killed run never blocks the next one, which resumes
@@ -11,12 +12,14 @@ later run could reuse anything in it, and clutter would only hide what went wron
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from workloads.manifest import MANIFEST
 from workloads.sources import DatasetError
 
 LOCK = ".lock"
@@ -91,3 +94,39 @@ def _unwritable(directory: Path, exc: OSError) -> str:
                 return f"the datasets directory {parent} is not a directory"
             break
     return f"cannot write the dataset directory {directory}: {exc.strerror or exc}"
+
+
+def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:
+    """Whether `directory` is a tpupipe dataset directory (`out_root/<fingerprint>/`).
+
+    Walks never enter one: its shards are binary token ids, not text, and reading them
+    (say, a datasets directory left inside a source directory by a run with another
+    `--out`) would fail on invalid UTF-8 or, with errors=replace, make a corpus of them.
+    It is recognised by what only `shard_dataset` writes: a `manifest.json` holding a
+    JSON object with `format_version` and `fingerprint` (another file of that name is
+    corpus like any other), or, for a run killed before its manifest, a `.lock` file next
+    to a `.work` directory (`data.WORK_DIR`).
+
+    Args:
+        directory: The directory.
+        names: The names of its entries, when the caller has listed it anyway.
+    """
+    if names is None:
+        try:
+            names = set(os.listdir(directory))
+        except OSError:
+            return False
+    if LOCK in names and ".work" in names and os.path.isdir(os.path.join(directory, ".work")):
+        return True
+    if MANIFEST not in names:
+        return False
+    try:
+        with open(os.path.join(directory, MANIFEST), "rb") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return False  # unreadable or not JSON: not ours, read as corpus (which names it)
+    return (
+        isinstance(manifest, dict)
+        and isinstance(manifest.get("format_version"), int)
+        and isinstance(manifest.get("fingerprint"), str)
+    )
