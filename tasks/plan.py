@@ -14,7 +14,9 @@ from pydantic import BaseModel, Field
 
 from workloads.config import PipelineConfig, WorkloadConfig, training_fields
 from workloads.config_file import ConfigError
+from workloads.manifest import load_manifest
 from workloads.rundir import CONFIG, write_json_atomic
+from workloads.sources import DatasetError, SourceFile
 
 MANAGED_BY = "tpupipe"
 
@@ -93,28 +95,77 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     )
 
 
-def check_resumable(config: PipelineConfig, plan: RunPlan) -> RunPlan:
-    """A rerun under an existing name must train the same thing, or it would mix runs.
+def check_resumable(
+    config: PipelineConfig,
+    plan: RunPlan,
+    fingerprint: str | None = None,
+    files: list[SourceFile] | None = None,
+) -> RunPlan:
+    """A rerun under an existing name must train the same thing on the same data, or it
+    would mix runs.
 
-    Returns the plan to run with: for an existing run, with the hash its checkpoints carry
-    (a run created by an older version of this code keeps its hash, so an upgrade does not
-    turn its checkpoints into another config's).
+    Args:
+        config: The rerun's config.
+        plan: Its plan.
+        fingerprint: The dataset its sources give now (`workloads.data.resolve_dataset`),
+            or None when they could not all be listed (`tpupipe validate` skips gs://).
+            The same sources and options give another dataset once a file is added,
+            removed or changed, or the tokenizer file is: resumed checkpoints, and the
+            data-iterator state saved in them, would then go on over other records.
+        files: The source files behind `fingerprint`, to name what changed.
+
+    Returns:
+        The plan to run with: for an existing run, with the hash its checkpoints carry (a
+        run created by an older version of this code keeps its hash, so an upgrade does
+        not turn its checkpoints into another config's).
 
     Raises:
-        ConfigError: naming every training field that differs from the stored run.
+        ConfigError: naming every training field that differs from the stored run, or the
+            dataset it trained on and what changed since.
     """
     stored = _stored_config(plan)
     if stored is None:
         return plan
     old, new = training_fields(stored.pipeline), training_fields(config)
     diffs = [f"{k}: {old_v!r} -> {new_v!r}" for k, old_v, new_v in _diff(old, new)]
-    if not diffs:
-        return plan.model_copy(update={"config_hash": stored.config_hash})
-    raise ConfigError(
-        f"run {plan.run_name!r} already exists in {plan.run_dir} with a different training "
-        f"config ({'; '.join(diffs)}); resume it with its original config or choose a new "
-        "run_name"
-    )
+    if diffs:
+        raise ConfigError(
+            f"run {plan.run_name!r} already exists in {plan.run_dir} with a different "
+            f"training config ({'; '.join(diffs)}); resume it with its original config or "
+            "choose a new run_name"
+        )
+    trained_on = posixpath.basename(stored.dataset_dir.rstrip("/"))
+    if fingerprint is not None and fingerprint != trained_on:
+        raise ConfigError(
+            f"run {plan.run_name!r} trained on dataset {trained_on} ({stored.dataset_dir}), "
+            f"but its sources now give dataset {fingerprint} "
+            f"({_changes(stored.dataset_dir, files or [])}); resuming would go on over other "
+            "data. Restore them, or choose a new run_name"
+        )
+    return plan.model_copy(update={"config_hash": stored.config_hash})
+
+
+def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
+    """The source files added, removed or changed since `dataset_dir` was sharded, from its
+    manifest (local datasets only), else the general causes."""
+    try:
+        before = {
+            s["uri"]: (s["size"], s["version"]) for s in load_manifest(dataset_dir)["sources"]
+        }
+    except (DatasetError, OSError, KeyError, TypeError):
+        before = None
+    if before is None or not files:
+        return "a source file was added, removed or changed, or the tokenizer file was"
+    now = {f.uri: (f.size, f.version) for f in files}
+    found = [
+        ("added", [u for u in now if u not in before]),
+        ("removed", [u for u in before if u not in now]),
+        ("changed", [u for u in now if u in before and now[u] != before[u]]),
+    ]
+    said = [
+        f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
+    ]
+    return "; ".join(said) or "the tokenizer file or a dataset option changed"
 
 
 def _stored_config(plan: RunPlan) -> WorkloadConfig | None:

@@ -89,7 +89,8 @@ class ArtifactProgress:
 
 def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> tuple[RunPlan, int]:
     """What the config points at, checked before anything is spent: every source resolves,
-    the tokenizer file loads, and a rerun of an existing run trains the same thing.
+    the tokenizer file loads, and a rerun of an existing run trains the same thing on the
+    same dataset.
 
     Args:
         config: The validated config.
@@ -105,10 +106,15 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
     """
     dataset = config.dataset
     sources = [s for s in dataset.sources if remote or "://" not in s]
-    files = data.resolve_sources(sources, source_storage(sources)) if sources else []
-    data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
+    fingerprint = None
+    if sources == dataset.sources:  # all of them: the dataset this run would train on
+        out_root = cache_root() if "://" in plan.datasets_root else plan.datasets_root
+        _, files, fingerprint = data.resolve_dataset(dataset, out_root, source_storage(sources))
+    else:
+        files = data.resolve_sources(sources, source_storage(sources)) if sources else []
+        data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
     if remote or "://" not in plan.run_dir:
-        plan = check_resumable(config, plan)
+        plan = check_resumable(config, plan, fingerprint, files)
     return plan, len(files)
 
 

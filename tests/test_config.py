@@ -153,3 +153,30 @@ def test_cli_validate_checks_what_the_config_points_at(tmp_path, capsys):
     assert cli_main(["validate", "--config", str(write(tmp_path, text))]) == 0
     out = capsys.readouterr().out
     assert "1 local file(s) (1 remote source(s) checked when the run starts)" in out
+
+
+def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
+    from tasks.prepare import check_inputs
+    from workloads import data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
+    cfg = PipelineConfig(
+        run_name="r",
+        storage={"root": str(tmp_path / "root")},
+        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
+    )
+    plan = plan_run(cfg)
+    result = data.shard_dataset(cfg.dataset, plan.datasets_root)
+    write_workload_config(cfg, plan, result.dataset_dir)
+    assert check_inputs(cfg, plan_run(cfg))[0].config_hash == plan.config_hash  # unchanged
+
+    (corpus / "new.txt").write_text("a document added after the run started")
+    with pytest.raises(ConfigError, match=r"trained on dataset .*\(added: .*new\.txt\); resum"):
+        check_inputs(cfg, plan_run(cfg))
+    (corpus / "new.txt").unlink()
+    (corpus / "2.txt").write_text("edited in place")
+    with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
+        check_inputs(cfg, plan_run(cfg), remote=False)  # `tpupipe validate` sees it too

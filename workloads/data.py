@@ -75,6 +75,7 @@ __all__ = [
     "dataset_fingerprint",
     "load_manifest",
     "load_tokenizer",
+    "resolve_dataset",
     "resolve_sources",
     "shard_dataset",
     "verify_shards",
@@ -171,10 +172,7 @@ def shard_dataset(
         DatasetError: Bad sources or input, naming the place; too little text for the
             requested shards; or an `out_root` that is not a writable directory.
     """
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    files = resolve_sources(cfg.sources, store, exclude=out_root)
-    files = select_by_size(files, cfg.max_bytes)
-    fingerprint = dataset_fingerprint(files, cfg, tokenizer)
+    tokenizer, files, fingerprint = resolve_dataset(cfg, out_root, store)
     directory = Path(out_root) / fingerprint
     if (cached := _complete(directory)) is not None:
         return cached
@@ -199,6 +197,20 @@ def shard_dataset(
         write_manifest(directory, manifest)
         shutil.rmtree(work, ignore_errors=True)
     return ShardResult(str(directory), manifest, cached=False)
+
+
+def resolve_dataset(
+    cfg: DatasetConfig, out_root: str | os.PathLike, store: SourceStore | None = None
+) -> tuple[TokenizerSpec, list[SourceFile], str]:
+    """What `shard_dataset(cfg, out_root, store=store)` would shard now, without reading a
+    source: the tokenizer, the source files and the dataset's fingerprint.
+
+    Raises:
+        DatasetError: from listing the sources or loading the tokenizer.
+    """
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    files = select_by_size(resolve_sources(cfg.sources, store, exclude=out_root), cfg.max_bytes)
+    return tokenizer, files, dataset_fingerprint(files, cfg, tokenizer)
 
 
 def _workers(cfg: DatasetConfig, files: list[SourceFile]) -> int:
