@@ -55,9 +55,17 @@ class ResilienceConfig(_Strict):
         description="Failed slice creates (capacity, quota) retried with backoff before the "
         "run fails. A workload bug is never retried.",
     )
-    backoff_s: Float = Field(10.0, gt=0, description="First wait after a failed create.")
+    backoff_s: Float = Field(
+        10.0,
+        gt=0,
+        description="Wait after the first failed create, on average; each later wait doubles.",
+    )
     backoff_jitter: Float = Field(
-        0.5, ge=0, le=1, description="Random fraction added to each wait, so runs spread out."
+        0.5,
+        ge=0,
+        le=1,
+        description="Each wait is drawn within ± this fraction of its average (Prefect's "
+        "retry_jitter_factor), so runs that failed together do not retry together.",
     )
     heartbeat_confirm_s: Float = Field(
         30.0,
