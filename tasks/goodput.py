@@ -1,13 +1,16 @@
 """Goodput of a run from its `events.jsonl`: productive step time ÷ wall time.
 
-Wall time runs from the first provisioning request to the last event. Each attempt's time
+Wall time runs from an invocation's first provisioning request to its last event, summed
+over the invocations of the run name (a rerun appends to the same ledger; the time between
+invocations, when no slice and no orchestrator existed, is nobody's). Each attempt's time
 is split into buckets (the vocabulary of ml-goodput-measurement's badput categories):
 
 - provisioning: request → ready, and every failed create;
 - startup: ready → the first step done (process start, compile), less the restore;
 - restore: reading the checkpoint the attempt resumed from;
-- productive: first step → the last checkpoint the run went on from (or the finish);
-- lost: that checkpoint → the attempt's end (work done again by the next attempt);
+- productive: first step → the last checkpoint the run went on from (one that a later
+  attempt, of this invocation or a rerun, restored), or the finish;
+- lost: that checkpoint → the attempt's end (work done again by a later attempt);
 - teardown: the attempt's end → its slice deleted (after a finished run: from its last
   step, since nothing after it is trained again);
 - idle: whatever no bucket explains (waits between attempts, orchestration).
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from etils import epath
+
+from tasks.attempts import by_attempt, invocation_spans
 
 BUCKETS = ("provisioning", "startup", "restore", "productive", "lost", "teardown", "idle")
 
@@ -36,6 +40,7 @@ class Goodput:
     seconds: dict[str, float] = field(default_factory=dict)
     attempts: int = 0
     preemptions: int = 0
+    invocations: int = 0  # flow runs of the run name that appended to its ledger
 
     @property
     def goodput(self) -> float | None:
@@ -70,11 +75,12 @@ class AttemptTimeline:
     segments: list[Segment] = field(default_factory=list)
     first_step: int | None = None  # the step the attempt resumed after (0: from scratch)
     kept_step: int | None = None  # the run went on from this step of this attempt's work
+    resumed_from: int | None = None  # the checkpoint it restored (0: none), if recorded
 
     @property
     def steps_kept(self) -> int:
         """Optimizer steps of this attempt that the run kept (the goodput's productive
-        steps): from its resume point to the checkpoint the next attempt resumed from, or
+        steps): from its resume point to the checkpoint a later attempt resumed from, or
         to the finish. Steps after that were lost and trained again."""
         if self.first_step is None or self.kept_step is None:
             return 0
@@ -96,14 +102,6 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     return events
 
 
-def by_attempt(events: list[dict]) -> dict[int, list[dict]]:
-    """Events grouped by attempt number, each group in time order, attempts ascending."""
-    groups: dict[int, list[dict]] = defaultdict(list)
-    for event in sorted(events, key=lambda e: e["time"]):
-        groups[event.get("attempt", 0)].append(event)
-    return dict(sorted(groups.items()))
-
-
 def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
     """Each attempt's buckets as segments on the clock; see the module docstring.
 
@@ -112,7 +110,7 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
     """
     groups = by_attempt(events)
     attempts = list(groups)
-    resumed_from = {a: _first(groups[a], "first_step", "resumed_from") for a in attempts}
+    resumes = [_resume_point(groups[a]) for a in attempts]
     timelines = []
     for i, attempt in enumerate(attempts):
         evs = groups[attempt]
@@ -128,6 +126,7 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             ready=ready,
             ended=end,
             deleted=t.get("deleted"),
+            resumed_from=resumes[i],
         )
         timelines.append(line)
         if requested is not None:
@@ -142,12 +141,14 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
         if restore:
             line.segments.append(Segment("restore", startup_end, startup_end + restore))
         if first is not None:
-            line.first_step = _start_step(evs, resumed_from[attempt])
-            # The run went on from the next attempt's resume point; steps after it were lost.
-            next_resume = resumed_from.get(_next(attempts, i))
-            keep_until = _checkpoint_time(evs, next_resume)
-            if keep_until is not None:
-                line.kept_step = next_resume
+            line.first_step = _start_step(evs, _first(evs, "first_step", "resumed_from"))
+            # The run went on from the newest of this attempt's checkpoints that a later
+            # attempt restored: not only the next one, which may have been preempted before
+            # its first step (or restored the final step and had no step to take).
+            saved = _saved_steps(evs)
+            later = {step for step in resumes[i + 1 :] if step in saved}
+            line.kept_step = max(later, default=None)
+            keep_until = None if line.kept_step is None else saved[line.kept_step]
             if "finished" in t:
                 keep_until = t["finished"]
                 line.kept_step = _last(evs, "finished", "step")
@@ -166,8 +167,8 @@ def compute_goodput(events: list[dict]) -> Goodput:
     """Split a run's wall time into buckets; see the module docstring for their meaning."""
     if not events:
         return Goodput(0.0, dict.fromkeys(BUCKETS, 0.0))
-    times = [e["time"] for e in events]
-    wall = max(times) - min(times)
+    spans = invocation_spans(events)
+    wall = sum(last - first for first, last in spans)
     seconds = dict.fromkeys(BUCKETS, 0.0)
     timelines = attempt_timelines(events)
     for line in timelines:
@@ -175,7 +176,13 @@ def compute_goodput(events: list[dict]) -> Goodput:
             seconds[segment.bucket] += segment.seconds
     seconds["idle"] = max(wall - sum(v for k, v in seconds.items() if k != "idle"), 0.0)
     preemptions = sum(line.outcome == "preempted" for line in timelines)
-    return Goodput(wall, seconds, attempts=len(timelines), preemptions=preemptions)
+    return Goodput(
+        wall,
+        seconds,
+        attempts=len(timelines),
+        preemptions=preemptions,
+        invocations=len(spans),
+    )
 
 
 def _first(events: list[dict], kind: str, key: str):
@@ -190,10 +197,6 @@ def _first_time(events: list[dict], kind: str) -> float | None:
     return next((e["time"] for e in events if e["event"] == kind), None)
 
 
-def _next(attempts: list[int], i: int) -> int | None:
-    return attempts[i + 1] if i + 1 < len(attempts) else None
-
-
 def _start_step(events: list[dict], resumed_from: int | None) -> int | None:
     """The step an attempt started after: its resume point (an older workload that did
     not record one: the step before its first)."""
@@ -203,15 +206,17 @@ def _start_step(events: list[dict], resumed_from: int | None) -> int | None:
     return None if step is None else step - 1
 
 
-def _checkpoint_time(events: list[dict], step: int | None) -> float | None:
-    """When this attempt saved checkpoint `step` (the one the next attempt resumed from)."""
-    if step is None:
-        return None
-    return next(
-        (
-            e["time"]
-            for e in events
-            if e["event"] in ("checkpoint", "preempted") and e.get("step") == step
-        ),
-        None,
-    )
+def _resume_point(events: list[dict]) -> int | None:
+    """The checkpoint step an attempt restored (0: it started from scratch), from its
+    `restored` event or its first step's `resumed_from`; None if it never got that far."""
+    step = _first(events, "restored", "step")
+    return _first(events, "first_step", "resumed_from") if step is None else step
+
+
+def _saved_steps(events: list[dict]) -> dict[int, float]:
+    """Checkpoint steps this attempt saved, with when it first recorded each."""
+    saved: dict[int, float] = {}
+    for e in events:
+        if e["event"] in ("checkpoint", "preempted") and e.get("step") is not None:
+            saved.setdefault(e["step"], e["time"])
+    return saved

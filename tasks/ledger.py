@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.goodput import AttemptTimeline, Goodput, attempt_timelines, by_attempt, compute_goodput
+from tasks.attempts import by_attempt
+from tasks.goodput import AttemptTimeline, Goodput, attempt_timelines, compute_goodput
 from tasks.pricing import Price
 from workloads.config import PipelineConfig
 

@@ -129,9 +129,11 @@ def format_report(report: RunReport) -> str:
     lines += _table(rows)
     badput = ", ".join(f"{b} {good.seconds[b]:.1f}s" for b in BUCKETS if b != "productive")
     ratio = "n/a" if good.goodput is None else f"{good.goodput:.1%}"
+    # A rerun of the run name appends to the ledger; the wall leaves out the gaps between.
+    over = f" over {good.invocations} invocations" if good.invocations > 1 else ""
     lines += [
         "",
-        f"attempts {good.attempts}, preempted {good.preemptions}; wall {good.wall_s:.1f}s; "
+        f"attempts {good.attempts}, preempted {good.preemptions}; wall {good.wall_s:.1f}s{over}; "
         f"goodput {ratio} (productive {good.seconds['productive']:.1f}s)",
         f"badput: {badput}",
         f"steps that count: {ledger.steps} x {ledger.tokens_per_step:,} tokens "

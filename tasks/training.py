@@ -4,22 +4,28 @@ Retries are Prefect's: `train_attempt` is retried only on `WorkloadPreempted` (b
 `resilience.max_preemptions`), `provision_slice` only on `ProvisioningError` (budget
 `resilience.max_failures`, exponential backoff with jitter). Every other error fails the
 run at once. Each attempt holds a lease on the run directory and records its events.
+
+Attempts are numbered from the run's ledger, not by Prefect's retry count: a rerun of the
+run name (after a failure, after a success, a sweep run again) appends to the same
+`events.jsonl`, and its attempts must not reuse the numbers of the earlier invocations.
 """
 
 from __future__ import annotations
 
 import sys
 
-from prefect import Task, get_run_logger, runtime, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from infra.slices import ProvisioningError, SliceSpec, build_provider
+from tasks.attempts import next_attempt
+from tasks.goodput import read_events
 from tasks.plan import RunPlan, slice_labels
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import TrainOutcome, WatchSettings, WorkloadPreempted, watch_slice
 from workloads.config import PipelineConfig
-from workloads.events import EventLog, grant_lease, new_lease
+from workloads.events import EVENTS, EventLog, grant_lease, new_lease
 from workloads.rundir import RunDir
 
 
@@ -30,6 +36,11 @@ def _provider(config: PipelineConfig, plan: RunPlan):
 def workload_command(config_path: str) -> list[str]:
     """The argv that runs the workload: the same module on every kind of slice."""
     return [sys.executable, "-m", "workloads.train", "--config", config_path]
+
+
+def _events(plan: RunPlan, attempt: int) -> EventLog:
+    """The orchestrator's log of one attempt, stamped with its flow run (the invocation)."""
+    return EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
 
 
 def _retry_on(*kinds: type[BaseException]):
@@ -45,7 +56,7 @@ def provision_slice(
 ) -> str:
     """Create the slice for this attempt with the workload as its job; returns its name."""
     provider = _provider(config, plan)
-    events = EventLog(plan.run_dir, attempt, source="orchestrator")
+    events = _events(plan, attempt)
     # A slice of this name left by a crashed orchestrator would block the create.
     provider.delete(plan.slice_name)
     spec = SliceSpec(
@@ -74,9 +85,12 @@ def provision_slice(
 @task(name="train-attempt", cache_policy=NONE)
 def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> TrainOutcome:
     """One attempt: provision, watch to the end, and delete the slice whatever happened."""
-    attempt = runtime.task_run.run_count
+    # Not `runtime.task_run.run_count`: it starts again at 1 in every flow run. One past the
+    # ledger's highest number is unique across invocations, and every event of the attempt
+    # carries it: the orchestrator's, and the workload's through TPUPIPE_ATTEMPT.
+    attempt = next_attempt(read_events(f"{plan.run_dir}/{EVENTS}"))
     logger = get_run_logger()
-    events = EventLog(plan.run_dir, attempt, source="orchestrator")
+    events = _events(plan, attempt)
     lease = new_lease()
     grant_lease(plan.run_dir, attempt, lease)  # any older attempt must stop writing now
     res = config.resilience

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.goodput import BUCKETS, compute_goodput, read_events
+from tasks.goodput import BUCKETS, attempt_timelines, compute_goodput, read_events
+from tests.helpers import attempt_events
 
 RECORDED = Path(__file__).parent / "data" / "events-three-attempts.jsonl"
 
@@ -63,3 +64,50 @@ def test_the_wait_after_the_final_step_is_teardown_not_lost():
 def test_no_events_is_no_goodput():
     result = compute_goodput([])
     assert result.goodput is None and set(result.seconds) == set(BUCKETS)
+
+
+def _startup_preemption(restored: bool) -> list[dict]:
+    """Attempt 2 is preempted in start-up, before its first step (with or without having
+    restored step 10 first); attempt 3 resumes from attempt 1's step 10."""
+    attempt2 = [
+        {"time": 20, "attempt": 2, "event": "provision_requested"},
+        {"time": 22, "attempt": 2, "event": "provision_ready"},
+        {"time": 23, "attempt": 2, "event": "started"},
+        *([{"time": 24, "attempt": 2, "event": "restored", "step": 10}] if restored else []),
+        {"time": 26, "attempt": 2, "event": "attempt_ended", "outcome": "preempted"},
+        {"time": 27, "attempt": 2, "event": "deleted"},
+    ]
+    return [
+        *attempt_events(1, 0, 0, 10, "preempted"),  # saves step 10 at 14
+        *attempt2,
+        *attempt_events(3, 30, 10, 20, "completed"),
+    ]
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_work_a_later_attempt_resumed_from_is_kept_past_a_stepless_attempt(restored):
+    timelines = attempt_timelines(_startup_preemption(restored))
+    assert [t.kept_step for t in timelines] == [10, None, 20]
+    assert [t.steps_kept for t in timelines] == [10, 0, 10]
+    result = compute_goodput(_startup_preemption(restored))
+    assert result.seconds["productive"] == 9 + 9  # attempt 1's steps 1-10 were not lost
+    assert result.seconds["lost"] == 1  # its save at 14 to its end at 15
+
+
+def test_a_final_attempt_that_restored_the_last_step_keeps_the_run_s_steps():
+    # SIGTERM at the last step: attempt 1 saves step 12 and exits preempted; attempt 2
+    # restores step 12, has no step to take (no `first_step`) and finishes.
+    events = [
+        *attempt_events(1, 0, 0, 12, "preempted"),  # saves 12 at 16, ends 17, deleted 18
+        {"time": 20, "attempt": 2, "event": "provision_requested"},
+        {"time": 22, "attempt": 2, "event": "provision_ready"},
+        {"time": 24, "attempt": 2, "event": "restored", "step": 12, "seconds": 1.0},
+        {"time": 25, "attempt": 2, "event": "finished", "step": 12},
+        {"time": 26, "attempt": 2, "event": "attempt_ended", "outcome": "completed"},
+        {"time": 27, "attempt": 2, "event": "deleted"},
+    ]
+    first, second = attempt_timelines(events)
+    assert (first.first_step, first.kept_step, first.steps_kept) == (0, 12, 12)
+    assert (second.resumed_from, second.steps_kept) == (12, 0)
+    result = compute_goodput(events)
+    assert result.seconds["productive"] == 16 - 5 and result.goodput == pytest.approx(11 / 27)

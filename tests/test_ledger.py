@@ -14,7 +14,7 @@ from flows.cli import main as cli_main
 from tasks.goodput import compute_goodput, read_events
 from tasks.ledger import billing_window, compute_ledger, tokens_per_step
 from tasks.pricing import Price, PriceTableError, load_price_table, price_for
-from tests.helpers import REPO, tiny_config
+from tests.helpers import REPO, attempt_events, tiny_config
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError, load_config
 
@@ -183,3 +183,32 @@ def test_cli_validate_reads_the_price_table(tmp_path, capsys):
     tiny = str(REPO / "configs" / "tiny.yaml")
     assert cli_main(["validate", "--config", tiny, "--set", f"cost.price_table={bad}"]) == 2
     assert f"{bad}: read_on: Input should be a valid date" in capsys.readouterr().err
+
+
+def test_steps_restored_after_a_stepless_attempt_are_paid_for_once():
+    # Attempt 1 saves step 10; attempt 2 is preempted in start-up; attempt 3 resumes from
+    # 10 and trains 11-20. All 20 steps count, none twice.
+    events = [
+        *attempt_events(1, 0, 0, 10, "preempted"),
+        {"time": 20, "attempt": 2, "event": "provision_requested"},
+        {"time": 22, "attempt": 2, "event": "provision_ready"},
+        {"time": 26, "attempt": 2, "event": "attempt_ended", "outcome": "preempted"},
+        *attempt_events(3, 30, 10, 20, "completed"),
+    ]
+    ledger = compute_ledger(events, Price(8, "on-demand", None, None, 2.0, "x"), 512)
+    assert [a.timeline.steps_kept for a in ledger.attempts] == [10, 0, 10]
+    assert ledger.steps == 20 and ledger.tokens == 20 * 512
+    assert [a.billed_s for a in ledger.attempts] == [16, 26 - 20, 46 - 30]
+
+
+def test_a_rerun_bills_each_invocation_s_attempts():
+    # An old ledger whose second invocation restarted at attempt 1: two attempts billed
+    # for 16 s each, not one merged attempt billed from its last request (16 s in all).
+    events = [
+        *attempt_events(1, 0, 0, 10, "preempted"),
+        *attempt_events(1, 1000, 10, 20, "completed"),
+    ]
+    ledger = compute_ledger(events, Price(8, "on-demand", None, None, 2.0, "x"), 512)
+    assert [a.timeline.attempt for a in ledger.attempts] == [1, 2]
+    assert [a.billed_s for a in ledger.attempts] == [16, 16]
+    assert ledger.chip_hours == pytest.approx(8 * 32 / 3600) and ledger.steps == 20

@@ -151,6 +151,46 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     assert n == distinct
 
 
+def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_harness):
+    """The first invocation is preempted with no budget left and fails; running the run
+    name again resumes it. The rerun's attempt is number 2 on both sides of the ledger,
+    and the runs row and the report count both attempts and every step once."""
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.report import format_report, load_report
+    from tasks.watch import WorkloadPreempted
+
+    config = tiny_config(
+        tmp_path,
+        "run_name=twice",
+        "train.steps=40",
+        "slice.chaos.at_step=2",  # SIGTERM: the workload saves its step, then exits 75
+        "slice.chaos.times=1",  # counted per run name: the rerun is not hit
+        "resilience.max_preemptions=0",
+    )
+    with pytest.raises(WorkloadPreempted):
+        tpu_training_pipeline(config=config)
+    run = tpu_training_pipeline(config=config)
+    assert run.status == "completed" and run.final_step == 40
+
+    events = read_events(Path(run.run_dir) / "events.jsonl")
+    assert {e["attempt"] for e in events} == {1, 2}
+    orchestrator = {e["attempt"]: e["invocation"] for e in events if e["source"] == "orchestrator"}
+    assert orchestrator[2] == run.flow_run_id != orchestrator[1]
+    (saved,) = [e["step"] for e in events if e["event"] == "preempted"]
+    assert 2 <= saved < 40
+    resumed = [(e["attempt"], e["step"]) for e in events if e["event"] == "restored"]
+    assert resumed == [(2, saved)]  # the workload stamps the attempt it was given
+
+    per_step = config.train.batch_size * config.dataset.seq_len
+    assert (run.attempts, run.preemptions) == (2, 1)
+    assert run.tokens_trained == 40 * per_step
+    # Not through the CLI and capsys: Prefect's console logger, set up by this test's
+    # flows when it runs alone, would keep capsys's stream past the test.
+    out = format_report(load_report(str(tmp_path), "twice"))
+    assert "attempts 2, preempted 1; wall" in out and "over 2 invocations" in out
+    assert f"steps that count: 40 x {per_step:,} tokens" in out
+
+
 def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkeypatch):
     """The watcher gives up while the workload is still running: teardown must kill it."""
     from flows.pipeline import tpu_training_pipeline

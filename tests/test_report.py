@@ -13,7 +13,7 @@ from flows.cli import main as cli_main
 from infra.metrics import DuckDBSink, RunRow
 from tasks.landing import ledger_fields, run_ledger, summary_markdown
 from tasks.plan import plan_run
-from tests.helpers import REPO, tiny_config
+from tests.helpers import REPO, attempt_events, tiny_config
 from workloads.config import WorkloadConfig
 
 RECORDED = Path(__file__).parent / "data" / "events-three-attempts.jsonl"
@@ -147,3 +147,53 @@ def test_a_price_table_broken_after_validation_still_lands_the_row(tmp_path):
     ledger = run_ledger(config, str(run_dir))
     assert ledger.cost_usd is None and ledger.chip_hours == pytest.approx(8 * 134 / 3600)
     assert ledger.price.source.startswith("not priced: cost.price_table = ")
+
+
+def _write_events(run_dir: Path, events: list[dict]) -> None:
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_report_of_a_run_name_run_twice_counts_every_attempt(tmp_path, capsys):
+    # An old ledger: invocation A preempted twice (budget spent), B 1000 s later preempted
+    # once, then finished; both numbered 1, 2.
+    run_dir = fake_run(tmp_path, "cost.usd_per_chip_hour=2.0")
+    _write_events(
+        run_dir,
+        [
+            *attempt_events(1, 0, 0, 15, "preempted"),
+            *attempt_events(2, 25, 15, 30, "preempted"),
+            *attempt_events(1, 1000, 30, 45, "preempted"),
+            *attempt_events(2, 1025, 45, 60, "completed"),
+        ],
+    )
+    assert cli_main(["report", "three", "--root", str(tmp_path), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["3"], ["4"])]
+    assert [r[:4] for r in rows] == [
+        ["3", "+1000.0", "+1021.0", "preempted"],
+        ["4", "+1025.0", "+1046.0", "completed"],
+    ]
+    # Each invocation: 0 .. 46 s (20 + 1 + 4 + 21); the 954 s between them are not wall.
+    assert "attempts 4, preempted 3; wall 92.0s over 2 invocations" in out
+    assert f"= {60 * 16 * 32:,} training tokens" in out
+    assert f"cost: ${8 * 4 * 21 / 3600 * 2.0:.4f}" in out
+
+
+def test_a_final_attempt_that_only_restored_lands_all_the_steps(tmp_path):
+    # SIGTERM at the last step: attempt 1 saved step 60; attempt 2 restored it and finished
+    # without a step of its own.
+    run_dir = fake_run(tmp_path)
+    _write_events(
+        run_dir,
+        [
+            *attempt_events(1, 0, 0, 60, "preempted"),
+            {"time": 70, "attempt": 2, "event": "provision_requested"},
+            {"time": 72, "attempt": 2, "event": "provision_ready"},
+            {"time": 74, "attempt": 2, "event": "restored", "step": 60, "seconds": 1.0},
+            {"time": 75, "attempt": 2, "event": "finished", "step": 60},
+            {"time": 76, "attempt": 2, "event": "attempt_ended", "outcome": "completed"},
+        ],
+    )
+    fields = ledger_fields(run_ledger(tiny_config(tmp_path, "run_name=three"), str(run_dir)))
+    assert fields["tokens_trained"] == TOKENS  # all 60 steps, as the runs row lands them
+    assert fields["goodput"] == pytest.approx((64 - 5) / 76)

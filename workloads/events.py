@@ -2,6 +2,8 @@
 
 Both the orchestrator and the workload append events: provisioning, start, restore, first
 step, checkpoints, preemption, finish, deletion. Goodput is computed from this ledger.
+Every event carries its attempt's number (the workload's come from `TPUPIPE_ATTEMPT`, set
+by the orchestrator, so both sides agree); the orchestrator's also carry its invocation.
 
 Every attempt gets a lease token. The orchestrator writes the current one to `lease.json`
 before it starts the attempt; the workload checks it before each write to the run
@@ -42,7 +44,9 @@ def grant_lease(run_dir: str, attempt: int, lease: str) -> None:
 
 
 class EventLog:
-    """Appends events of one attempt, stamped with time, attempt and lease."""
+    """Appends events of one attempt, stamped with time, attempt and source (and the
+    invocation, when one is given: the orchestrator's flow run, which tells the attempts
+    of one run of a run name from those of a rerun)."""
 
     def __init__(
         self,
@@ -51,11 +55,13 @@ class EventLog:
         lease: str | None = None,
         source: str = "workload",
         clock: Callable[[], float] = time.time,
+        invocation: str | None = None,
     ) -> None:
         self.run_dir = epath.Path(run_dir)
         self.attempt = attempt
         self.lease = lease
         self.source = source
+        self.invocation = invocation
         self._clock = clock
 
     @classmethod
@@ -70,6 +76,7 @@ class EventLog:
             "event": event,
             "attempt": self.attempt,
             "source": self.source,
+            **({"invocation": self.invocation} if self.invocation else {}),
             **fields,
         }
         line = json.dumps(payload, sort_keys=True) + "\n"

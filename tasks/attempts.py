@@ -1,0 +1,81 @@
+"""Which invocation and which attempt each event of a run's `events.jsonl` belongs to.
+
+A run name can be run many times (a rerun resumes it: after a failure, after a success,
+a sweep run again), and every invocation appends to the same ledger. So attempt numbers
+go on from the highest one the ledger already holds (`next_attempt`) instead of Prefect's
+retry count, which starts again at 1 in every flow run; and the orchestrator stamps its
+events with its invocation (the flow run id), so goodput can tell invocations apart and
+leave the time between them out of the wall time.
+
+Ledgers written before that restarted at attempt 1 in every invocation and carry no
+invocation. They are split where an attempt number that already ended asks for a slice
+again (an attempt never provisions after its `attempt_ended`), and the later
+invocation's attempts are renumbered after the earlier ones, as they would be today.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+Groups = dict[int, list[dict]]  # attempt number -> its events, in time order
+
+
+def split_invocations(events: list[dict]) -> list[Groups]:
+    """The run's invocations in time order, each its events grouped by attempt number.
+
+    Args:
+        events: every event of the run (any order).
+
+    Returns:
+        One dict per invocation, attempt number -> events; attempt numbers are unique
+        across the whole list (an old ledger's repeated numbers are renumbered).
+    """
+    invocations: list[Groups] = []
+    current: Groups = {}
+    marker: str | None = None  # the current invocation's id, once one was seen
+    ended: set[int] = set()  # raw attempt numbers that ended in the current invocation
+    offset = highest = 0
+    for event in sorted(events, key=lambda e: e["time"]):
+        raw = event.get("attempt", 0)
+        invocation = event.get("invocation")
+        starts = not invocations
+        if event["event"] == "provision_requested":
+            # A new flow run's first request; or, in an old ledger, a number reused.
+            starts = starts or (invocation is not None and invocation != marker)
+            starts = starts or raw in ended
+        if starts:
+            current, ended = defaultdict(list), set()
+            invocations.append(current)
+            marker = invocation
+            # Numbers of today's ledgers already go on from the last one: offset 0.
+            offset = 0 if raw > highest else highest - raw + 1
+        number = raw + offset
+        current[number].append(event)
+        highest = max(highest, number)
+        if event["event"] == "attempt_ended":
+            ended.add(raw)
+    return [dict(sorted(groups.items())) for groups in invocations]
+
+
+def by_attempt(events: list[dict]) -> Groups:
+    """Events grouped by attempt number, each group in time order, attempts ascending."""
+    groups: Groups = defaultdict(list)
+    for invocation in split_invocations(events):
+        for number, evs in invocation.items():
+            groups[number].extend(evs)
+    return {n: sorted(groups[n], key=lambda e: e["time"]) for n in sorted(groups)}
+
+
+def next_attempt(events: list[dict]) -> int:
+    """The number of a new attempt: one past the highest the ledger holds (1 if none), so
+    an attempt of a rerun never shares its number with one of an earlier invocation."""
+    return max(by_attempt(events), default=0) + 1
+
+
+def invocation_spans(events: list[dict]) -> list[tuple[float, float]]:
+    """(first, last) event time of each invocation, in time order."""
+    spans = []
+    for invocation in split_invocations(events):
+        times = [e["time"] for evs in invocation.values() for e in evs]
+        spans.append((min(times), max(times)))
+    return spans

@@ -1,0 +1,97 @@
+"""Attempt numbers across invocations of one run name, and the ledgers they leave.
+
+A rerun of a run name (after a failure, after a success, a sweep run again) appends to
+the same `events.jsonl`. The synthetic run here: invocation A at t=0 is preempted twice
+and fails on its preemption budget; invocation B, 1000 s later, is preempted once and
+finishes. 40 steps, 10 per attempt. Expected figures are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tasks.attempts import by_attempt, next_attempt, split_invocations
+from tasks.goodput import attempt_timelines, compute_goodput
+from tests.helpers import attempt_events
+
+
+def two_invocations(numbers: tuple[int, int, int, int], marks=(None, None)) -> list[dict]:
+    """A's two attempts then B's two, numbered `numbers`, A/B stamped with `marks`."""
+    a1, a2, b1, b2 = numbers
+    return [
+        *attempt_events(a1, 0, 0, 10, "preempted", marks[0]),  # ends 16
+        *attempt_events(a2, 20, 10, 20, "preempted", marks[0]),  # ends 36
+        *attempt_events(b1, 1000, 20, 30, "preempted", marks[1]),  # ends 1016
+        *attempt_events(b2, 1020, 30, 40, "completed", marks[1]),  # ends 1036
+    ]
+
+
+# Today's ledger (numbers go on, flow runs stamped) and one written before the fix
+# (numbers restart at 1, no invocation) must read the same.
+LEDGERS = {
+    "numbered-across-invocations": two_invocations((1, 2, 3, 4), ("flow-a", "flow-b")),
+    "old-numbers-restart": two_invocations((1, 2, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", LEDGERS)
+def test_each_invocation_keeps_its_own_attempts(kind):
+    events = LEDGERS[kind]
+    invocations = split_invocations(events)
+    assert [list(inv) for inv in invocations] == [[1, 2], [3, 4]]
+    timelines = attempt_timelines(events)
+    assert [t.attempt for t in timelines] == [1, 2, 3, 4]
+    assert [t.outcome for t in timelines] == ["preempted"] * 3 + ["completed"]
+    # No attempt reaches into another's time: each ends before the next is requested.
+    for before, after in itertools.pairwise(timelines):
+        assert before.deleted < after.requested
+    assert [(t.first_step, t.kept_step) for t in timelines] == [
+        (0, 10),
+        (10, 20),
+        (20, 30),
+        (30, 40),
+    ]
+    assert [t.steps_kept for t in timelines] == [10, 10, 10, 10]
+
+
+@pytest.mark.parametrize("kind", LEDGERS)
+def test_the_time_between_invocations_is_not_wall_time(kind):
+    result = compute_goodput(LEDGERS[kind])
+    assert (result.attempts, result.preemptions, result.invocations) == (4, 3, 2)
+    assert result.wall_s == 36 + 36  # each invocation: first request to last deletion
+    assert result.seconds == {
+        "provisioning": 4 * 2,
+        "startup": 3 + 3 * 2,  # attempt 1 restores nothing; the others restore for 1 s
+        "restore": 3 * 1.0,
+        "productive": 4 * 9,  # the first step done at +5, the tenth at +14
+        "lost": 3 * 1,  # saved, then 1 s until the orchestrator saw the attempt end
+        "teardown": 4 * 1 + 1,  # deletions, and the finished run's exit
+        "idle": 2 * 4,  # between the attempts of each invocation; not the 964 s between
+    }
+    assert sum(result.seconds.values()) == pytest.approx(result.wall_s)
+
+
+def test_next_attempt_goes_on_from_the_highest_in_the_ledger():
+    assert next_attempt([]) == 1
+    assert next_attempt(LEDGERS["numbered-across-invocations"]) == 5
+    # An old ledger's second invocation counts as attempts 3 and 4.
+    assert next_attempt(LEDGERS["old-numbers-restart"]) == 5
+
+
+def test_a_new_invocation_after_an_old_ledger_is_numbered_after_it():
+    events = [*LEDGERS["old-numbers-restart"], *attempt_events(5, 2000, 40, 40, "completed", "c")]
+    assert list(by_attempt(events)) == [1, 2, 3, 4, 5]
+    assert [list(inv) for inv in split_invocations(events)] == [[1, 2], [3, 4], [5]]
+
+
+def test_provisioning_retries_within_an_attempt_stay_one_attempt():
+    events = attempt_events(1, 10, 0, 5, "completed", "a")
+    failed = [
+        {"time": 0, "attempt": 1, "event": "provision_requested", "invocation": "a"},
+        {"time": 1, "attempt": 1, "event": "provision_failed", "invocation": "a"},
+    ]
+    assert [list(inv) for inv in split_invocations(failed + events)] == [[1]]
+    (line,) = attempt_timelines(failed + events)
+    assert line.requested == 0 and line.ready == 12 and line.steps_kept == 5
