@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from prefect import Task, get_run_logger, task
+from prefect import Task, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
@@ -41,6 +41,12 @@ def workload_command(config_path: str) -> list[str]:
 def _events(plan: RunPlan, attempt: int) -> EventLog:
     """The orchestrator's log of one attempt, stamped with its flow run (the invocation)."""
     return EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
+
+
+def budget_spent(retries: int) -> bool:
+    """Whether the running task's try is its last: its error ends the run, so the message
+    says which budget ran out instead of only what happened this time."""
+    return runtime.task_run.run_count > retries
 
 
 def _retry_on(*kinds: type[BaseException]):
@@ -76,6 +82,11 @@ def provision_slice(
     except ProvisioningError as exc:
         events.emit("provision_failed", reason=str(exc))
         get_run_logger().warning("attempt %d: %s", attempt, exc)
+        if budget_spent(config.resilience.max_failures):
+            raise ProvisioningError(
+                f"{exc} (resilience.max_failures = {config.resilience.max_failures} retries "
+                "of a failed create, all used)"
+            ) from exc
         raise
     events.emit("provision_ready")
     get_run_logger().info("attempt %d: slice %s is %s", attempt, status.name, status.state.value)
@@ -118,6 +129,11 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
     except WorkloadPreempted as exc:
         events.emit("attempt_ended", outcome="preempted", reason=str(exc))
         logger.warning("attempt %d preempted: %s", attempt, exc)
+        if budget_spent(res.max_preemptions):
+            raise WorkloadPreempted(
+                f"{exc}; resilience.max_preemptions = {res.max_preemptions} preemption(s) "
+                "tolerated, all used: run it again to resume from its newest checkpoint"
+            ) from exc
         raise
     except BaseException as exc:
         events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")

@@ -105,6 +105,17 @@ def test_capacity_errors_back_off_then_succeed_with_one_slice(reference):
     assert build_provider("local", str(root)).list({"run-id": "no-capacity"}) == []
 
 
+def test_capacity_errors_beyond_the_budget_fail_naming_it(reference):
+    from infra.slices import ProvisioningError
+
+    root, _ = reference
+    overrides = ["slice.chaos.fail_creates=2", "resilience.max_failures=1"]
+    spent = r"max_failures = 1 retries of a failed create, all used"
+    with pytest.raises(ProvisioningError, match=spent):
+        run_flow(root, "never-capacity", *overrides, "resilience.backoff_s=0.1")
+    assert build_provider("local", str(root)).list({"run-id": "never-capacity"}) == []
+
+
 def _orchestrator(tmp_path: Path, name: str) -> subprocess.Popen:
     """`tpupipe run` of a long tiny run, in a session of its own with its ephemeral API
     server (as on a user's laptop); returns once the workload is training."""

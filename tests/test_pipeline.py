@@ -167,7 +167,9 @@ def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_ha
         "slice.chaos.times=1",  # counted per run name: the rerun is not hit
         "resilience.max_preemptions=0",
     )
-    with pytest.raises(WorkloadPreempted):
+    # The error says which budget ran out, not only what happened this time.
+    budget = r"max_preemptions = 0 preemption\(s\) tolerated, all used: run it again"
+    with pytest.raises(WorkloadPreempted, match=budget):
         tpu_training_pipeline(config=config)
     run = tpu_training_pipeline(config=config)
     assert run.status == "completed" and run.final_step == 40
