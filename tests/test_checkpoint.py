@@ -120,6 +120,11 @@ def _restore_newest(run_dir, arrays, config_hash="h1"):
         mngr.close()
 
 
+# When a read of the truncated file fails, orbax closes its other pending reads, which then
+# raise from a closed coroutine ("Exception ignored in _read_array_index_and_device_put"):
+# how many depends on timing (none run alone, 24 in a loaded CI run). The restore's own
+# error is what the test checks.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(tmp_path, state):
     save(tmp_path, 5, state.arrays)
     save(tmp_path, 10, state.arrays)
