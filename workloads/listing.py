@@ -45,15 +45,15 @@ def resolve_sources(
         store: Lists and opens `scheme://` entries; needed only when there are any.
         exclude: The local datasets directory: directory walks and globs never enter it, so
             shards written inside a source directory are not read back as sources by the
-            next run, and it may neither be nor contain a local source (`check_out_root`).
+            next run, and it may not be a local source's directory (`check_out_root`).
 
     Returns:
         The files, by entry and then by key.
 
     Raises:
         DatasetError: An entry is blank or matches no file, a file is not readable or not
-            a regular file, a URI entry has no store to read it, or `exclude` is or holds
-            a source.
+            a regular file, a URI entry has no store to read it, or `exclude` is a
+            source directory.
     """
     if not sources:
         raise DatasetError("the dataset has no sources: give at least one file, directory or glob")
