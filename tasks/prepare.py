@@ -87,6 +87,13 @@ class ArtifactProgress:
             self.percent = 100.0
 
 
+def shard_root(plan: RunPlan) -> str:
+    """The local directory the run's dataset is sharded under: its datasets root, or the
+    local cache when that root is in GCS (ArrayRecord writes local files, published after).
+    `check_inputs` fingerprints the dataset with the same root, so the two agree."""
+    return cache_root() if "://" in plan.datasets_root else plan.datasets_root
+
+
 def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> tuple[RunPlan, int]:
     """What the config points at, checked before anything is spent: every source resolves,
     the tokenizer file loads, and a rerun of an existing run trains the same thing on the
@@ -108,7 +115,7 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
     sources = [s for s in dataset.sources if remote or "://" not in s]
     fingerprint = None
     if sources == dataset.sources:  # all of them: the dataset this run would train on
-        out_root = cache_root() if "://" in plan.datasets_root else plan.datasets_root
+        out_root = shard_root(plan)
         _, files, fingerprint = data.resolve_dataset(dataset, out_root, source_storage(sources))
     else:
         files = data.resolve_sources(sources, source_storage(sources)) if sources else []
@@ -162,9 +169,7 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     A Prefect progress artifact follows the sharding."""
     progress = ArtifactProgress(f"Sharding the dataset for run {plan.run_id}")
     remote = "://" in plan.datasets_root
-    # Shards are written locally (ArrayRecord writes local files), then published.
-    out_root = cache_root() if remote else plan.datasets_root
-    result = shard_corpus(config.dataset, out_root, progress=progress)
+    result = shard_corpus(config.dataset, shard_root(plan), progress=progress)
     progress.finish()
     if remote:
         dataset_dir = publish_dataset(result.dataset_dir, plan.datasets_root, config)
