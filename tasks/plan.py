@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
@@ -41,6 +42,21 @@ def new_run_name(now: datetime | None = None, token: str | None = None) -> str:
     """A fresh, sortable run name: `run-20261122-061530-a1b2`."""
     now = now or datetime.now(UTC)
     return f"run-{now:%Y%m%d-%H%M%S}-{token or secrets.token_hex(2)}"
+
+
+def slice_name(run_name: str) -> str:
+    """The slice name of a run: `tpupipe-<run_name>`, or, when that passes the 63 characters
+    a GCP resource name may have, its first 54 characters and a hash of the whole run name.
+
+    Cutting the name alone gave run names alike in their first 55 characters one slice
+    name (a sweep's trials t100..t109 under a long sweep name), and every attempt deletes
+    a slice of its name before creating one: one run deleted another's live slice.
+    """
+    name = f"{MANAGED_BY}-{run_name}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(run_name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-')}-{digest}"
 
 
 def is_gcs(path: str) -> bool:
@@ -90,7 +106,7 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
         slices_root=_local_root(config),
         metrics_path=metrics_path(config),
         config_hash=config.config_hash(),
-        slice_name=f"tpupipe-{run_name}"[:63].rstrip("-"),
+        slice_name=slice_name(run_name),
         flow_run_id=flow_run_id,
     )
 

@@ -33,6 +33,8 @@ from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-export
 VOCAB_PAD_MULTIPLE = 128
 
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# URI schemes a dataset source may have (infra/storage.py reads them).
+_SOURCE_SCHEMES = ("gs", "file")
 
 
 class DatasetConfig(_Strict):
@@ -112,6 +114,16 @@ class DatasetConfig(_Strict):
                     f"source {n} is {entry!r}, which names nothing; give a file, directory, "
                     "glob, gs:// prefix or 'stdlib'"
                 )
+            # Checked here, not only when the sources are listed: `tpupipe validate` does
+            # not list remote sources, so it called a source the run then refused valid.
+            scheme = entry.split("://", 1)[0] if "://" in entry else None
+            if scheme is not None and scheme not in _SOURCE_SCHEMES:
+                raise ValueError(
+                    f"source {n} {entry!r}: {scheme}:// is not supported; give a local path, "
+                    "file:// or gs://bucket/prefix"
+                )
+            if scheme == "gs" and not entry[5:].split("/", 1)[0]:
+                raise ValueError(f"source {n} {entry!r} names no bucket (gs://bucket/prefix)")
         return value
 
     @field_validator("tokenizer")

@@ -184,9 +184,25 @@ class StorageConfig(_Strict):
 
     @field_validator("root")
     @classmethod
-    def _bucket_named(cls, value: str) -> str:
+    def _a_place_runs_can_live(cls, value: str) -> str:
+        # Anything but gs:// is a local path, so these became odd local directories:
+        # `s3://b/x` was ./s3:/b/x, `~/x` was ./~/x (nothing expands ~) and an empty root
+        # was the working directory, where a run then wrote its checkpoints silently.
+        if not value.strip():
+            raise ValueError("storage.root is empty: give a directory or gs://bucket/prefix")
         if value.startswith("gs://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"storage.root {value!r} names no bucket")
+        scheme = value.split("://", 1)[0] if "://" in value else None
+        if scheme is not None and scheme != "gs":
+            raise ValueError(
+                f"storage.root {value!r}: {scheme}:// is not supported; give a local "
+                "directory or gs://bucket/prefix"
+            )
+        if value.startswith("~"):
+            raise ValueError(
+                f"storage.root {value!r} starts with ~, which is not expanded here: give "
+                "the directory's absolute path (or one relative to the working directory)"
+            )
         return value
 
 

@@ -1,0 +1,89 @@
+"""Faults an acceptance probe of the user interface found: inputs that validated but then
+did something else than the user meant, or ended in a traceback instead of a named error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tasks.plan import plan_run
+from tests.helpers import REPO, tiny_config
+from workloads.config_file import ConfigError, load_config
+
+
+def test_long_run_names_never_share_a_slice_name(tmp_path):
+    """A slice name is `tpupipe-<run>` cut to 63 characters: two run names alike in their
+    first 55 characters got the same slice, and each attempt deletes a slice of its name
+    before it creates one, so one run deleted the other's live slice (a sweep of 100+
+    trials under a 51-character name: t100..t109 all had one slice name)."""
+    sweep = "s" * 51
+    names = [f"{sweep}-t{i:02d}" for i in range(98, 112)] + ["a" * 62 + "1", "a" * 62 + "2"]
+    slices = [plan_run(tiny_config(tmp_path, f"run_name={n}")).slice_name for n in names]
+    assert len(set(slices)) == len(names), slices
+    assert all(len(s) <= 63 and s[-1] != "-" for s in slices)
+    # A name that fits keeps its readable slice name, as before.
+    assert plan_run(tiny_config(tmp_path, "run_name=tiny")).slice_name == "tpupipe-tiny"
+    assert plan_run(tiny_config(tmp_path, f"run_name={sweep}-t07")).slice_name == (
+        f"tpupipe-{sweep}-t07"
+    )
+
+
+@pytest.mark.parametrize(
+    ("root", "said"),
+    [
+        ("s3://bucket/x", "s3://"),
+        ("file:///data/x", "file://"),
+        ("~/tpupipe", "~"),
+        ("''", "empty"),
+        ("'  '", "empty"),
+    ],
+)
+def test_a_storage_root_that_would_become_an_odd_local_directory_is_refused(tmp_path, root, said):
+    """`s3://b/x` was taken as the local directory `./s3:/b/x`, `~/x` as `./~/x` and an
+    empty root as the working directory: a run wrote its checkpoints there silently."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tmp_path, f"storage.root={root}")
+    assert "storage.root" in str(err.value) and said in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [("http://host/corpus", "http://"), ("s3://bucket/c", "s3://"), ("gs://", "no bucket")],
+)
+def test_a_source_no_run_could_read_fails_validation(tmp_path, source, said):
+    """`tpupipe validate` said such a config was valid (remote sources are not listed
+    there), and the run then refused it."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tmp_path, f"dataset.sources=[{source!r}]")
+    assert source in str(err.value) and said in str(err.value)
+    # gs:// and file:// sources stay accepted.
+    for fine in ("gs://bucket/corpus/", "file:///tmp/corpus"):
+        assert tiny_config(tmp_path, f"dataset.sources=[{fine!r}]").dataset.sources == [fine]
+
+
+def test_validate_exits_2_for_a_source_scheme_the_run_cannot_read(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "validate",
+            "--config",
+            "configs/tiny.yaml",
+            "--set",
+            "dataset.sources=[http://host/corpus]",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--set" in out.stderr and "http://" in out.stderr
+
+
+def test_load_config_still_reads_the_shipped_configs():
+    for name in ("tiny", "demo", "v5e-8-spot"):
+        load_config(REPO / "configs" / f"{name}.yaml")
