@@ -11,9 +11,17 @@ import itertools
 import json
 import math
 import random
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
@@ -42,6 +50,16 @@ class Distribution(_Strict):
             return self
         if self.low is None or self.high is None or self.low > self.high:
             raise ValueError(f"a {self.kind!r} distribution needs low <= high")
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            raise ValueError(
+                f"a {self.kind!r} distribution needs finite bounds, got [{self.low}, {self.high}]"
+            )
+        if self.kind == "int_uniform" and math.ceil(self.low) > math.floor(self.high):
+            # randint would fail mid-plan with "empty range for randrange()".
+            raise ValueError(
+                f"an 'int_uniform' distribution over [{self.low}, {self.high}] has no integer "
+                "to draw"
+            )
         if self.kind == "log_uniform" and self.low <= 0:
             raise ValueError("a 'log_uniform' distribution needs low > 0")
         return self
@@ -78,6 +96,16 @@ class SearchSpace(_Strict):
 
     @model_validator(mode="after")
     def _disjoint(self) -> SearchSpace:
+        if not self.grid and not self.random:
+            raise ValueError("the search space varies no field: give space.grid or space.random")
+        if "run_name" in self.grid or "run_name" in self.random:
+            # Each trial is the run <sweep_name>-tNN: a searched name would be replaced.
+            raise ValueError("run_name cannot be searched: trial i runs as <sweep_name>-tNN")
+        if self.samples > 1 and not self.random:
+            raise ValueError(
+                f"space.samples = {self.samples} repeats random draws, but space.random is "
+                "empty: every repeat would train the same config"
+            )
         both = sorted(set(self.grid) & set(self.random))
         if both:
             raise ValueError(f"fields both in grid and random: {', '.join(both)}")
@@ -100,7 +128,6 @@ class SweepConfig(_Strict):
     )
     sweep_name: str | None = Field(
         None,
-        pattern=r"^[a-z0-9][a-z0-9-]{0,50}$",
         description="Names the sweep and its trials' runs (`<name>-t00`…); running a sweep "
         "of the same name again resumes its trials. Empty: a new name is generated.",
     )
@@ -135,6 +162,23 @@ class SweepConfig(_Strict):
         description="The deployment (flow name/deployment name) trials run as, with "
         "trials_via 'deployment'.",
     )
+
+    @field_validator("sweep_name")
+    @classmethod
+    def _sweep_name_shape(cls, value: str | None) -> str | None:
+        # Checked here rather than as a schema pattern, so an empty name means "generate
+        # one" as the description says (and as PipelineConfig.run_name does), in the UI too.
+        if value == "":
+            return None
+        if value is not None and not _SWEEP_NAME.match(value):
+            raise ValueError(
+                f"sweep_name {value!r} must be 1-51 lowercase letters, digits or dashes, "
+                "starting with a letter or digit (its trials are <sweep_name>-tNN)"
+            )
+        return value
+
+
+_SWEEP_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,50}$")
 
 
 class Trial(_Strict):
@@ -195,11 +239,31 @@ def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
         trials.append(
             Trial(index=index, run_name=run_name, params=params, config=cfg, chips=trial_chips(cfg))
         )
+    if not problems:
+        problems = _same_configs(trials)
     if problems:
         raise ConfigError("\n".join(problems))
     if not trials:
         raise ConfigError("the search space has no trials")
     return trials
+
+
+def _same_configs(trials: list[Trial]) -> list[str]:
+    """Trials that would train one config twice (a grid value listed twice, 1 and 1.0 for
+    a float field, a random draw repeated): twice the chips for one result."""
+    first: dict[str, Trial] = {}
+    problems = []
+    for trial in trials:
+        key = trial.config.model_copy(update={"run_name": None}).model_dump_json()
+        if key in first:
+            other = first[key]
+            problems.append(
+                f"trials {other.index} and {trial.index} ({_params_text(trial.params)}) train "
+                "the same config: drop the repeated value, or vary seed"
+            )
+        else:
+            first[key] = trial
+    return problems
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -87,3 +87,56 @@ def test_validate_exits_2_for_a_source_scheme_the_run_cannot_read(tmp_path):
 def test_load_config_still_reads_the_shipped_configs():
     for name in ("tiny", "demo", "v5e-8-spot"):
         load_config(REPO / "configs" / f"{name}.yaml")
+
+
+def _space_error(space: dict) -> str:
+    """The error a sweep of configs/tiny.yaml over `space` stops with before any trial."""
+    from pydantic import ValidationError
+
+    from tasks.sweep_space import SweepConfig, build_trials
+
+    with pytest.raises((ValidationError, ConfigError)) as err:
+        build_trials(SweepConfig(base=load_config(REPO / "configs/tiny.yaml"), space=space), "s")
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "said"),
+    [(0.5, 0.7, "no integer"), (float("nan"), 3, "finite"), (0, float("inf"), "finite")],
+)
+def test_a_distribution_with_nothing_to_draw_is_named_not_a_traceback(low, high, said):
+    """An int_uniform over [0.5, 0.7] raised randint's 'empty range for randrange()', and a
+    NaN bound 'cannot convert float NaN to integer', from inside the sweep's plan."""
+    space = {"random": {"seed": {"kind": "int_uniform", "low": low, "high": high}}}
+    message = _space_error(space)
+    assert said in message and "int_uniform" in message
+
+
+@pytest.mark.parametrize(
+    ("space", "said"),
+    [
+        ({}, "varies no field"),
+        ({"grid": {}, "random": {}}, "varies no field"),
+        ({"grid": {"run_name": ["a", "b"]}}, "run_name"),
+        ({"grid": {"train.learning_rate": [0.1]}, "samples": 4}, "space.random"),
+    ],
+)
+def test_a_space_that_cannot_mean_what_it_says_is_refused(space, said):
+    """An empty space ran the base config once as a 'sweep'; a searched run_name was
+    silently replaced by each trial's name; samples without random draws were ignored."""
+    assert said in _space_error(space)
+
+
+def test_trials_that_would_train_the_same_config_are_refused():
+    """A value listed twice in a grid (or 1 and 1.0 for a float field) gave two trials
+    that train the same model on the same data: twice the chips for one result."""
+    message = _space_error({"grid": {"train.learning_rate": [0.1, 1, 1.0]}})
+    assert "trials 1 and 2" in message and "the same config" in message
+    assert "trial 0" not in message
+
+
+def test_an_empty_sweep_name_means_a_new_one_as_its_description_says():
+    from tasks.sweep_space import SweepConfig
+
+    assert "Empty: a new name" in SweepConfig.model_fields["sweep_name"].description
+    assert SweepConfig(sweep_name="").sweep_name is None
