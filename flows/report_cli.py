@@ -7,8 +7,8 @@ and write a PNG of its loss curve and attempt timeline.
         --set cost.priced_as=v5litepod-8 --set cost.region=us-central1   # re-price it
 
 The run is priced by its own config.json, or by the cost section of `--config` when one is
-given. Exits 0 with the report, 1 when the run does not exist (naming the runs that do) or
-its price table cannot be read, 2 on an invalid config.
+given. Exits 0 with the report, 1 when the run does not exist (naming the runs that do),
+its price table cannot be read or the plot cannot be written, 2 on an invalid config.
 """
 
 from __future__ import annotations
@@ -61,5 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_png:
         from tasks.report_plot import write_report_png
 
-        print(f"plot: {write_report_png(report, args.out)}")
+        try:
+            print(f"plot: {write_report_png(report, args.out)}")
+        except OSError as exc:  # --out in a missing directory, or naming one
+            reason = exc.strerror or exc
+            print(f"tpupipe report: cannot write the plot to {args.out}: {reason}", file=sys.stderr)
+            return 1
     return 0

@@ -16,7 +16,8 @@ from etils import epath
 from tasks.goodput import BUCKETS, AttemptTimeline, read_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.pricing import Price, price_for
-from workloads.config import CostConfig, PipelineConfig, WorkloadConfig
+from workloads.config import CostConfig, PipelineConfig
+from workloads.config_file import ConfigError, load_workload_config
 from workloads.events import EVENTS
 from workloads.rundir import CONFIG, EVAL, RunDir, read_json
 
@@ -70,11 +71,17 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         PriceTableError: the price table to use cannot be read.
     """
     run_dir = find_run_dir(root, run_id)
-    config = _run_config(run_dir)
+    unpriced = "the run has no config.json"
+    try:
+        config = _run_config(run_dir)
+    except ConfigError as exc:
+        # Written by another version (a field since renamed) or damaged: the timeline
+        # needs only events.jsonl, so the report goes on, unpriced, saying why.
+        config, unpriced = None, str(exc)
     if config is not None and cost is not None:
         config = config.model_copy(update={"cost": cost})
     if config is None:
-        price = Price(0, "on-demand", None, None, None, "not priced: the run has no config.json")
+        price = Price(0, "on-demand", None, None, None, f"not priced: {unpriced}")
         per_step = 0
     else:
         price, per_step = price_for(config), tokens_per_step(config)
@@ -93,7 +100,7 @@ def _run_config(run_dir: str) -> PipelineConfig | None:
     path = epath.Path(run_dir) / CONFIG
     if not path.exists():
         return None
-    return WorkloadConfig.model_validate_json(path.read_text()).pipeline
+    return load_workload_config(str(path)).pipeline
 
 
 def format_report(report: RunReport) -> str:

@@ -140,3 +140,53 @@ def test_an_empty_sweep_name_means_a_new_one_as_its_description_says():
 
     assert "Empty: a new name" in SweepConfig.model_fields["sweep_name"].description
     assert SweepConfig(sweep_name="").sweep_name is None
+
+
+def _tpupipe(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def _recorded_run(root, name: str = "probe") -> None:
+    """A run directory with one completed attempt and the config.json of configs/tiny.yaml."""
+    import json
+
+    from tasks.plan import plan_run, write_workload_config
+    from tests.helpers import attempt_events
+
+    config = tiny_config(root, f"run_name={name}")
+    plan = plan_run(config)
+    write_workload_config(config, plan, str(root / "datasets" / "x"))
+    events = "".join(json.dumps(e) + "\n" for e in attempt_events(1, 0, 0, 12, "completed"))
+    (root / "runs" / name / "events.jsonl").write_text(events)
+
+
+@pytest.mark.parametrize("out", ["missing-dir/r.png", "."])
+def test_report_out_that_cannot_be_written_is_named_not_a_traceback(tmp_path, out):
+    """`--out` in a directory that does not exist, or naming a directory, ended the
+    report in a FileNotFoundError / IsADirectoryError traceback."""
+    _recorded_run(tmp_path)
+    done = _tpupipe("report", "probe", "--root", str(tmp_path), "--out", out, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"tpupipe report: cannot write the plot to {out}" in done.stderr
+    assert "attempts 1" in done.stdout  # the timeline itself was still printed
+
+
+def test_report_of_a_run_whose_config_json_this_version_cannot_read(tmp_path):
+    """A config.json from another version (a field since renamed) or truncated by hand
+    ended the report in a pydantic traceback; the timeline needs only events.jsonl."""
+    _recorded_run(tmp_path)
+    config_json = tmp_path / "runs" / "probe" / "config.json"
+    config_json.write_text(config_json.read_text().replace('"seed"', '"old_seed"'))
+    done = _tpupipe("report", "probe", "--root", str(tmp_path), "--no-png", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "attempts 1" in done.stdout
+    assert "not priced:" in done.stdout and "config.json" in done.stdout
+    assert "old_seed" in done.stdout
