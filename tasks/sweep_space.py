@@ -25,6 +25,7 @@ from pydantic import (
 
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
+from workloads.config_yaml import did_you_mean
 
 
 class _Strict(BaseModel):
@@ -269,10 +270,11 @@ def _same_configs(trials: list[Trial]) -> list[str]:
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     *sections, name = key.split(".")
     node = data
-    for part in sections:
+    for depth, part in enumerate(sections, start=1):
         node = node.get(part)
         if not isinstance(node, dict):
-            raise KeyError(f"{key}: {part!r} is not a config section")
+            hint = did_you_mean(PipelineConfig, sections[:depth])
+            raise KeyError(f"{key}: {part!r} is not a config section{hint}")
     node[name] = value
 
 
@@ -286,5 +288,10 @@ def _problem_text(exc: Exception) -> str:
     return "; ".join(
         (".".join(map(str, e["loc"])) + ": " if e["loc"] else "")
         + e["msg"].removeprefix("Value error, ")
+        + (did_you_mean(PipelineConfig, [str(p) for p in e["loc"]]) if _extra(e) else "")
         for e in exc.errors()
     )
+
+
+def _extra(error: dict) -> bool:
+    return error["type"] == "extra_forbidden"

@@ -190,3 +190,20 @@ def test_report_of_a_run_whose_config_json_this_version_cannot_read(tmp_path):
     assert "attempts 1" in done.stdout
     assert "not priced:" in done.stdout and "config.json" in done.stdout
     assert "old_seed" in done.stdout
+
+
+def test_an_unknown_key_names_the_field_it_is_probably_a_typo_of(tmp_path):
+    """`trian:` or `learning_rte:` were refused as 'Extra inputs are not permitted' with
+    no hint of the field meant; a far-off key gets no guess."""
+    path = tmp_path / "typo.yaml"
+    path.write_text("run_name: x\ntrian:\n  steps: 5\ntrain:\n  learning_rte: 0.1\n  zzz: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["slice.chaos.time=1"])
+    lines = str(err.value).splitlines()
+    assert f"{path}:2: trian: Extra inputs are not permitted (did you mean 'train'?)" in lines
+    assert any(":5: train.learning_rte:" in x and "'learning_rate'?" in x for x in lines)
+    assert any(":6: train.zzz:" in x and "did you mean" not in x for x in lines)
+    assert any(x.startswith("--set: slice.chaos.time:") and "'times'?" in x for x in lines)
+    # In a sweep's space too.
+    assert "(did you mean 'train'?)" in _space_error({"grid": {"trian.steps": [1]}})
+    assert "(did you mean 'learning_rate'?)" in _space_error({"grid": {"train.learning_rte": [1]}})

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.config_yaml import (
+    did_you_mean,
     duplicate_key,
     field_annotation,
     is_text_field,
@@ -167,6 +168,8 @@ def format_validation_error(
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
         msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":  # most often a typo of a field next to it
+            msg += did_you_mean(PipelineConfig, list(loc))
         # Cross-field problems come joined from one validator; each names its fields.
         for problem in _PROBLEMS.split(msg) if not loc else [msg]:
             out.append(blame.line(loc, problem, _got(item)))

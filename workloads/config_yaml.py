@@ -7,6 +7,7 @@ caller (`workloads.config_file`) turns what they find into errors naming the fil
 
 from __future__ import annotations
 
+import difflib
 import types
 from typing import Any, Union, get_args, get_origin
 
@@ -101,6 +102,16 @@ def field_annotation(model: type[BaseModel], path: list[str]) -> Any:
             return None
         annotation = current.model_fields[part].annotation
     return annotation
+
+
+def did_you_mean(model: type[BaseModel], path: list[str]) -> str:
+    """` (did you mean 'train'?)` for an unknown key at `path` (e.g. `['trian']`,
+    `['train', 'learning_rte']`) that is close to a field of its section, else ''."""
+    section = _model_of(field_annotation(model, path[:-1])) if path else None
+    if section is None:
+        return ""
+    close = difflib.get_close_matches(path[-1], list(section.model_fields), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def is_text_field(annotation: Any) -> bool:
