@@ -207,3 +207,24 @@ def test_an_unknown_key_names_the_field_it_is_probably_a_typo_of(tmp_path):
     # In a sweep's space too.
     assert "(did you mean 'train'?)" in _space_error({"grid": {"trian.steps": [1]}})
     assert "(did you mean 'learning_rate'?)" in _space_error({"grid": {"train.learning_rte": [1]}})
+
+
+def test_every_deployments_parameters_validate_as_a_run_of_it_would():
+    """What a deployment's runs start from (its `parameters` in prefect.yaml over the flow's
+    defaults) passes the server's schema check (enforce_parameter_schema) and the flow's
+    own validation, cross-field checks included, so a schedule never fires a run that
+    fails on its parameters. No test loaded them before."""
+    import importlib
+
+    import yaml
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        path, name = deployment["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        params = deployment.get("parameters") or {}
+        schema = parameter_schema(flow).model_dump_for_openapi()
+        validate(params, schema, raise_on_error=True, ignore_required=True)
+        flow.validate_parameters(params)
