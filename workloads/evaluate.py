@@ -13,16 +13,18 @@ import sys
 from dataclasses import asdict, dataclass
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from etils import epath
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from workloads import checkpoint, input
 from workloads.config import MeshConfig, WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.model import Transformer, token_losses
 from workloads.rundir import EVAL, write_json_atomic
-from workloads.trainer import BATCH_KEYS, make_mesh
+from workloads.trainer import BATCH_KEYS, batch_sharding, make_mesh
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,11 @@ class EvalResult:
 
 
 def load_model(wcfg: WorkloadConfig, step: int, mesh) -> Transformer:
-    """Rebuild the model from a checkpoint's parameters, without a random init first."""
+    """Rebuild the model from a checkpoint's parameters, without a random init first.
+
+    The parameters are replicated on every device of `mesh` (an evaluation mesh splits
+    only the batch), whatever mesh wrote them.
+    """
     info = input.dataset_info(wcfg.dataset_dir)
     state, _ = checkpoint.restore_on_host(wcfg.run_dir, step)
     with jax.set_mesh(mesh):
@@ -45,12 +51,17 @@ def load_model(wcfg: WorkloadConfig, step: int, mesh) -> Transformer:
             lambda: Transformer(wcfg.pipeline.model, info.vocab_size, rngs=nnx.Rngs(0))
         )
         graphdef, params = nnx.split(abstract)
-        nnx.replace_by_pure_dict(params, jax.device_put(state["model"]))
+        replicated = NamedSharding(mesh, P())
+        nnx.replace_by_pure_dict(params, jax.device_put(state["model"], replicated))
         return nnx.merge(graphdef, params)
 
 
 def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> EvalResult:
-    """Mean token loss (nats) and bits per byte of checkpoint `step` on the eval split."""
+    """Mean token loss (nats) and bits per byte of checkpoint `step` on the eval split.
+
+    `devices` (default: the first one) split each batch of `eval.batch_size` records;
+    any count gives the same result, whatever mesh trained the checkpoint.
+    """
     devices = devices or jax.devices()[:1]
     mesh = make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices)
     model = load_model(wcfg, step, mesh)
@@ -62,13 +73,15 @@ def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> Ev
         return (nll * weights).sum(), weights.sum()
 
     total_nll, total_tokens, batches = 0.0, 0.0, 0
-    batch_size = wcfg.pipeline.eval.batch_size
-    batch_size -= batch_size % len(devices)
+    sharding = batch_sharding(mesh)
     with jax.set_mesh(mesh):
         for batch in input.eval_batches(
-            wcfg.dataset_dir, batch_size, wcfg.pipeline.eval.max_batches
+            wcfg.dataset_dir, wcfg.pipeline.eval.batch_size, wcfg.pipeline.eval.max_batches
         ):
-            nll, tokens = batch_sums(model, {k: jnp.asarray(batch[k]) for k in BATCH_KEYS})
+            rows = pad_rows(batch, len(devices))
+            nll, tokens = batch_sums(
+                model, {k: jax.device_put(rows[k], sharding) for k in BATCH_KEYS}
+            )
             total_nll += float(nll)
             total_tokens += float(tokens)
             batches += 1
@@ -77,6 +90,22 @@ def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> Ev
     loss = total_nll / total_tokens
     bpb = loss / math.log(2) / info.bytes_per_token
     return EvalResult(step, loss, bpb, int(total_tokens), batches)
+
+
+def pad_rows(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """`batch` with rows of weight 0 appended until its row count divides by `multiple`.
+
+    The batch is split over the devices, so its rows must divide evenly; padding, rather
+    than cutting the configured batch size down, keeps the scored records the same on any
+    device count. A padding row is all zeros (its weight too), so it scores nothing.
+    """
+    missing = -len(batch["weights"]) % multiple
+    if not missing:
+        return batch
+    return {
+        key: np.concatenate([rows, np.zeros((missing, *rows.shape[1:]), rows.dtype)])
+        for key, rows in batch.items()
+    }
 
 
 def write_result(run_dir: str, result: EvalResult) -> None:
