@@ -123,3 +123,15 @@ def test_an_attempt_that_lost_its_lease_stops_without_writing(tmp_path):
     assert checkpoint.latest_step(str(run.run_dir)) in (None, 10)  # nothing after the grant
     events = [e["event"] for e in read_events(run.run_dir / "events.jsonl")]
     assert "finished" not in events and "failed" not in events
+
+
+def test_a_notice_at_the_last_step_ends_finished_not_preempted(tmp_path):
+    # The notice lands while the only step compiles: that step is the last, so once it is
+    # saved the run is done. Exiting "preempted" would make the orchestrator provision a
+    # slice only to restore the final step, and spend one of its preemption retries.
+    run = WorkloadRun(tmp_path, "train.steps=1", "train.warmup_steps=0")
+    attempt = run.start()
+    run.signal_in_phase(attempt, "compiling", signal.SIGTERM)
+    assert run.wait(attempt) == 0
+    assert run.status()["phase"] == "finished"
+    assert checkpoint.latest_step(str(run.run_dir)) == 1

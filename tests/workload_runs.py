@@ -89,6 +89,17 @@ class WorkloadRun:
         os.killpg(pgid, sig)
         return rows[-1]["step"]
 
+    def signal_in_phase(self, name: str, phase: str, sig: signal.Signals) -> None:
+        """Send `sig` to the attempt's process group once its heartbeat shows `phase`."""
+        pgid = json.loads((self.provider.registry_dir / f"{name}.json").read_text())["pgid"]
+        deadline = time.monotonic() + 240
+        status = self.run_dir / "status.json"
+        while not (status.exists() and json.loads(status.read_text())["phase"] == phase):
+            assert time.monotonic() < deadline, f"attempt {name} never reached {phase}"
+            assert self.provider.status(name).state is SliceState.READY, "attempt ended early"
+            time.sleep(0.005)
+        os.killpg(pgid, sig)
+
     def status(self) -> dict:
         """The workload's last heartbeat."""
         return json.loads((self.run_dir / "status.json").read_text())

@@ -177,7 +177,8 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     step_fn = make_train_step(state.graphdef, mesh)
     total, every = cfg.train.steps, cfg.train.checkpoint_every
     step = last_saved = start
-    if notice.received:  # noticed during start-up: nothing new to save
+    # Noticed during start-up: nothing new to save. (A finished run just says so below.)
+    if notice.received and start < total:
         report.status("preempted", step=start, last_checkpoint=start or None)
         return PREEMPTED_EXIT
     report.status("compiling", step=start, last_checkpoint=start or None, peak=peak.source)
@@ -188,7 +189,10 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             window.add(step, metrics)
             # Read the flag once: a signal landing mid-iteration must not skip the save below
             # yet still take the exit, or the exit would claim a step that was never saved.
-            preempted = notice.stop_at(step - start)
+            # A notice at the last step is no preemption: that step is saved as the final
+            # one anyway, and a "preempted" exit would make the orchestrator provision a
+            # slice only to restore it, spending one of the run's preemption retries.
+            preempted = notice.stop_at(step - start) and step < total
             save_now = step % every == 0 or step == total or preempted
             if save_now or step % cfg.train.log_every == 0 or step == start + 1:
                 rows = window.flush()  # raises NonFiniteError before a bad state is saved
@@ -251,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's config.json")
     args = parser.parse_args(argv)
     # force: a library may have installed a root handler already, which would swallow ours.
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     notice = PreemptionNotice()
     notice.install()  # before the slow imports and start-up: a notice then is not lost
     try:
