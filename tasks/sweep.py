@@ -24,9 +24,10 @@ from prefect.futures import PrefectFuture, as_completed
 from pydantic import BaseModel
 
 from infra.metrics import RunRow, build_sink
-from tasks.plan import metrics_path
+from tasks.plan import check_resumable, metrics_path, plan_run
 from tasks.sweep_space import SweepConfig, Trial, build_trials
 from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
 
 TrialStatus = Literal["completed", "failed", "cancelled", "crashed"]
 # How often run_deployment asks the API whether a trial's run has finished.
@@ -121,6 +122,7 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     it before any trial runs."""
     sweep_id = config.sweep_name or new_sweep_name()
     trials = build_trials(config, sweep_id)
+    check_trials_resumable(trials)
     via = config.trials_via
     if via == "auto":
         via = "deployment" if deployed else "subflow"
@@ -150,6 +152,27 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         chips,
     )
     return plan
+
+
+def check_trials_resumable(trials: list[Trial]) -> None:
+    """A sweep run again resumes its trials, so each must train what its run trained.
+
+    Checked for all trials before any runs: a space changed since the first sweep of this
+    name otherwise let every trial take its chips and fail its own validation, and the
+    sweep then replaced the finished sweep's `sweeps` rows with failed ones.
+
+    Raises:
+        ConfigError: naming each trial, its overrides and the fields that changed.
+    """
+    problems = []
+    for trial in trials:
+        try:
+            check_resumable(trial.config, plan_run(trial.config))
+        except ConfigError as exc:
+            params = ", ".join(f"{k}={v!r}" for k, v in trial.params.items())
+            problems.append(f"trial {trial.index} ({params}): {exc}")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 Launcher = Callable[[Trial, SweepPlan], TrialOutcome]

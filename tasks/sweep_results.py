@@ -177,14 +177,21 @@ def artifact_key(sweep_id: str) -> str:
 @task(name="collect-trial-runs", cache_policy=NONE)
 def attach_landed_runs(plan: SweepPlan, results: list[TrialResult]) -> list[TrialResult]:
     """The results with each trial's `runs` row, read from the sink for the trials whose
-    launcher had none (a failed run lands its row too: its chip-hours were spent)."""
+    launcher had none (a failed run lands its row too: its chip-hours were spent).
+
+    Only a row the trial's own flow run landed counts: a trial refused before landing
+    anything would otherwise be credited with the row an earlier run of its name left
+    (an earlier sweep of the same name), its eval loss and chip-hours."""
     out = []
     for r in results:
-        if r.run is None:
+        if r.run is None and r.flow_run_id:
             try:
-                r = r.model_copy(update={"run": read_run(plan.base, r.run_id)})
+                run = read_run(plan.base, r.run_id)
             except Exception as exc:  # a missing cost must not lose the sweep's results
                 get_run_logger().warning("trial %d: no runs row read: %s", r.index, exc)
+                run = None
+            if run is not None and run.flow_run_id == r.flow_run_id:
+                r = r.model_copy(update={"run": run})
         out.append(r)
     return out
 

@@ -228,3 +228,62 @@ def test_every_deployments_parameters_validate_as_a_run_of_it_would():
         schema = parameter_schema(flow).model_dump_for_openapi()
         validate(params, schema, raise_on_error=True, ignore_required=True)
         flow.validate_parameters(params)
+
+
+def _sweep_of(root, grid: dict):
+    from tasks.sweep_space import SweepConfig
+
+    return SweepConfig(base=tiny_config(root), space={"grid": grid}, sweep_name="s")
+
+
+def test_a_sweep_rerun_that_would_train_other_configs_is_refused_before_any_trial(tmp_path):
+    """Rerunning a sweep name with another space let every trial take its chips and then
+    fail its own validation ('already exists with a different training config'); the sweep
+    then replaced the finished sweep's `sweeps` rows with failed ones."""
+    from tasks.plan import plan_run, write_workload_config
+    from tasks.sweep import check_trials_resumable
+    from tasks.sweep_space import build_trials
+
+    for trial in build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.2]}), "s"):
+        write_workload_config(trial.config, plan_run(trial.config), str(tmp_path / "ds"))
+    again = build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.3]}), "s")
+    with pytest.raises(ConfigError) as err:
+        check_trials_resumable(again)
+    assert "trial 1 (train.learning_rate=0.3): run 's-t01' already exists" in str(err.value)
+    assert "trial 0" not in str(err.value)
+    check_trials_resumable(again[:1])  # the same point again resumes it: fine
+
+
+def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
+    """A trial that failed before landing anything was given the `runs` row an earlier run
+    of its name had landed: the sweep's rows and totals showed that run's eval loss and
+    chip-hours as this failed trial's."""
+    from datetime import UTC, datetime
+
+    from infra.metrics import RunRow, build_sink
+    from tasks.plan import metrics_path
+    from tasks.sweep import SweepPlan, TrialResult
+    from tasks.sweep_results import attach_landed_runs
+
+    base = tiny_config(tmp_path)
+    now = datetime.now(UTC)
+    row = RunRow(
+        run_id="s-t00", run_name="s-t00", flow_run_id="earlier", status="completed",
+        config_hash="h", config_json="{}", dataset_fingerprint="fp", started_at=now,
+        eval_loss=3.0, chip_hours=0.5, run_dir="/r",
+    )  # fmt: skip
+    build_sink("duckdb", metrics_path(base)).land(row, [], [])
+    plan = SweepPlan(
+        sweep_id="s", trials=[], via="subflow", trial_deployment="x/y", chip_limit="c",
+        chips=8, objective="eval_loss", max_parallel=1, base=base,
+    )  # fmt: skip
+
+    def result(flow_run_id):
+        return TrialResult(
+            index=0, run_id="s-t00", params={}, chips=8, status="failed", error="refused",
+            flow_run_id=flow_run_id, started_at=now, finished_at=now, waited_s=0.0,
+        )  # fmt: skip
+
+    for earlier_or_none in ("now", None):
+        assert attach_landed_runs.fn(plan, [result(earlier_or_none)])[0].run is None
+    assert attach_landed_runs.fn(plan, [result("earlier")])[0].run.chip_hours == 0.5
