@@ -16,6 +16,7 @@ from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from tasks.pricing import price_for
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
+from workloads.config_file import ConfigError
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
 
@@ -23,6 +24,7 @@ __all__ = [
     "ArtifactProgress",
     "DatasetError",
     "check_inputs",
+    "check_local_paths",
     "shard_corpus",
     "shard_dataset",
     "validate_config",
@@ -111,6 +113,7 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
     Raises:
         ConfigError / DatasetError: naming the field, file or source at fault.
     """
+    check_local_paths(config, plan)
     dataset = config.dataset
     sources = [s for s in dataset.sources if remote or "://" not in s]
     fingerprint = None
@@ -123,6 +126,39 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
     if remote or "://" not in plan.run_dir:
         plan = check_resumable(config, plan, fingerprint, files)
     return plan, len(files)
+
+
+def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
+    """The local directories a run creates can be created, and the DuckDB file is a file.
+
+    A storage root below a regular file, or in a directory this user cannot write, failed
+    the run only at its lock (exit 1), and a `metrics.path` naming a directory only when
+    landing, after the whole training run.
+
+    Raises:
+        ConfigError: naming the field, its value and the path in the way.
+    """
+    places = [("storage.root", config.storage.root, plan.slices_root)]
+    if config.metrics.sink == "duckdb":
+        if os.path.isdir(plan.metrics_path):
+            raise ConfigError(
+                f"metrics.path = {config.metrics.path or plan.metrics_path!r} is a "
+                "directory; give the DuckDB file's path, e.g. <dir>/metrics.duckdb"
+            )
+        field = "metrics.path" if config.metrics.path else "storage.root"
+        value = config.metrics.path or config.storage.root
+        places.append((field, value, os.path.dirname(plan.metrics_path)))
+    for field, value, path in places:
+        existing = path
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            problem = f"{existing} is not a directory"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problem = f"{existing} is not writable"
+        else:
+            continue
+        raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
 
 
 @task(name="validate-config", cache_policy=NONE)

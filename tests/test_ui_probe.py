@@ -287,3 +287,23 @@ def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
     for earlier_or_none in ("now", None):
         assert attach_landed_runs.fn(plan, [result(earlier_or_none)])[0].run is None
     assert attach_landed_runs.fn(plan, [result("earlier")])[0].run.chip_hours == 0.5
+
+
+@pytest.mark.parametrize("field", ["storage.root", "metrics.path"])
+def test_a_local_path_that_cannot_be_created_is_refused_before_anything_runs(tmp_path, field):
+    """A storage root below a regular file failed the run only at its lock (exit 1), and a
+    metrics.path that is a directory only when landing, after the whole training run."""
+    from tasks.plan import plan_run
+    from tasks.prepare import check_inputs
+
+    (tmp_path / "afile").write_text("x")
+    bad = {"storage.root": tmp_path / "afile" / "store", "metrics.path": tmp_path}[field]
+    config = tiny_config(tmp_path / "ok", f"{field}={bad}", "dataset.max_bytes=20000")
+    with pytest.raises(ConfigError) as err:
+        check_inputs(config, plan_run(config))
+    assert f"{field} = {str(bad)!r}" in str(err.value)
+    done = _tpupipe(
+        "validate", "--config", str(REPO / "configs/tiny.yaml"), "--set", f"{field}={bad}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2 and field in done.stderr, done.stderr
