@@ -243,13 +243,19 @@ def per_million_text(run: RunRow) -> str:
     return f"${run.cost_per_million_tokens:.4f} ({tokens})"
 
 
+def summary_key(run_id: str) -> str:
+    """The run summary's artifact key. Not cut short: a run name has at most 63 characters,
+    and names sharing their first 60 would share one artifact (cut to 64, they did)."""
+    return f"run-{run_id}"
+
+
 @task(name="publish-summary", cache_policy=NONE)
 def publish_summary(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:
     """Attach the run summary to the flow run as a markdown artifact."""
     return str(
         create_markdown_artifact(
             markdown=summary_markdown(config, plan, run),
-            key=f"run-{plan.run_id}"[:64].rstrip("-"),
+            key=summary_key(plan.run_id),
             description=f"Training run {plan.run_id}",
         )
     )

@@ -307,3 +307,13 @@ def test_a_local_path_that_cannot_be_created_is_refused_before_anything_runs(tmp
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2 and field in done.stderr, done.stderr
+
+
+def test_long_run_names_get_summary_artifacts_of_their_own():
+    """The run summary's artifact key was `run-<name>` cut to 64 characters, so runs whose
+    names share their first 60 showed up as versions of one artifact in the UI."""
+    from tasks.landing import summary_key
+
+    names = ["a" * 62 + "1", "a" * 62 + "2", "b" * 63]
+    assert len({summary_key(n) for n in names}) == 3
+    assert summary_key("tiny") == "run-tiny"
