@@ -50,7 +50,8 @@ def find_run_dir(root: str, run_id: str) -> str:
     """
     runs = epath.Path(root) / "runs"
     run_dir = runs / run_id
-    if run_id and "/" not in run_id and run_dir.is_dir():
+    # "." and ".." are directories too: the runs directory and the storage root.
+    if run_id not in ("", ".", "..") and "/" not in run_id and run_dir.is_dir():
         return str(run_dir)
     known = sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
     listed = ", ".join(known[:10]) + (", …" if len(known) > 10 else "")

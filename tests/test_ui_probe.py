@@ -317,3 +317,14 @@ def test_long_run_names_get_summary_artifacts_of_their_own():
     names = ["a" * 62 + "1", "a" * 62 + "2", "b" * 63]
     assert len({summary_key(n) for n in names}) == 3
     assert summary_key("tiny") == "run-tiny"
+
+
+@pytest.mark.parametrize("run_id", ["..", "."])
+def test_report_of_a_dot_run_id_is_not_a_run(tmp_path, run_id):
+    """`tpupipe report ..` reported the storage root itself as a run (exit 0, 'no
+    attempts recorded yet')."""
+    from tasks.report import RunNotFound, find_run_dir
+
+    _recorded_run(tmp_path)
+    with pytest.raises(RunNotFound, match="runs there: probe"):
+        find_run_dir(str(tmp_path), run_id)
