@@ -8,7 +8,7 @@ import pytest
 
 from tests.workload_runs import WorkloadRun
 from workloads.config_file import load_workload_config
-from workloads.evaluate import evaluate
+from workloads.evaluate import evaluate, main
 
 pytestmark = pytest.mark.slow
 
@@ -38,3 +38,9 @@ def test_evaluation_on_several_devices_equals_one_device(trained, devices):
     assert (many.tokens, many.batches) == (one.tokens, one.batches) == (3 * 5 * 32, 3)
     np.testing.assert_allclose(many.loss, one.loss, rtol=1e-5)
     np.testing.assert_allclose(many.bits_per_byte, one.bits_per_byte, rtol=1e-5)
+
+
+def test_a_step_without_a_checkpoint_is_one_line_naming_the_steps_there(trained, capsys):
+    assert main(["--config", trained.config_path, "--step", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"no committed checkpoint step 3 in {trained.run_dir}/checkpoints (steps: 4)\n"

@@ -245,6 +245,17 @@ def params_sha256(model_tree: dict) -> tuple[str, int]:
     return digest.hexdigest(), count
 
 
+def committed_steps(run_dir: str) -> list[int]:
+    """Every committed checkpoint step of a run, oldest first (none: an empty list)."""
+    if not checkpoint_dir(run_dir).exists():
+        return []
+    mngr = make_manager(run_dir, read_only=True)
+    try:
+        return sorted(mngr.all_steps())
+    finally:
+        mngr.close()
+
+
 def latest_step(run_dir: str) -> int | None:
     """The newest committed checkpoint step of a run, or None."""
     if not checkpoint_dir(run_dir).exists():

@@ -124,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    step = args.step if args.step is not None else checkpoint.latest_step(wcfg.run_dir)
-    if step is None:
+    steps = checkpoint.committed_steps(wcfg.run_dir)
+    if not steps:
         print(f"no checkpoint in {wcfg.run_dir}", file=sys.stderr)
+        return 1
+    step = args.step if args.step is not None else steps[-1]
+    if step not in steps:  # orbax would raise FileNotFoundError from deep in a restore
+        where = checkpoint.checkpoint_dir(wcfg.run_dir)
+        listed = ", ".join(map(str, steps))
+        print(f"no committed checkpoint step {step} in {where} (steps: {listed})", file=sys.stderr)
         return 1
     result = evaluate(wcfg, step)
     write_result(wcfg.run_dir, result)
