@@ -25,6 +25,7 @@ from pydantic import (
 
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
+from workloads.config_types import Float, Int
 from workloads.config_yaml import did_you_mean
 
 
@@ -39,8 +40,8 @@ class Distribution(_Strict):
         description="'uniform' or 'log_uniform' floats in [low, high], 'int_uniform' integers "
         "in [low, high], or 'choice': one of `values`."
     )
-    low: float | None = Field(None, description="Lower bound (uniform, log_uniform, int_uniform).")
-    high: float | None = Field(None, description="Upper bound, inclusive.")
+    low: Float | None = Field(None, description="Lower bound (uniform, log_uniform, int_uniform).")
+    high: Float | None = Field(None, description="Upper bound, inclusive.")
     values: list[Any] = Field(default_factory=list, description="The options of a 'choice'.")
 
     @model_validator(mode="after")
@@ -51,10 +52,6 @@ class Distribution(_Strict):
             return self
         if self.low is None or self.high is None or self.low > self.high:
             raise ValueError(f"a {self.kind!r} distribution needs low <= high")
-        if not (math.isfinite(self.low) and math.isfinite(self.high)):
-            raise ValueError(
-                f"a {self.kind!r} distribution needs finite bounds, got [{self.low}, {self.high}]"
-            )
         if self.kind == "int_uniform" and math.ceil(self.low) > math.floor(self.high):
             # randint would fail mid-plan with "empty range for randrange()".
             raise ValueError(
@@ -90,10 +87,10 @@ class SearchSpace(_Strict):
         default_factory=dict,
         description="Dotted field -> distribution, drawn anew for each trial.",
     )
-    samples: int = Field(
+    samples: Int = Field(
         1, ge=1, le=1000, description="Random draws per grid combination (with `random`)."
     )
-    seed: int = Field(0, description="Seed of the random draws: the same seed, the same trials.")
+    seed: Int = Field(0, description="Seed of the random draws: the same seed, the same trials.")
 
     @model_validator(mode="after")
     def _disjoint(self) -> SearchSpace:
@@ -140,13 +137,13 @@ class SweepConfig(_Strict):
         description="Prefect global concurrency limit counting TPU chips; each trial holds "
         "its slice's chip count while it runs.",
     )
-    chip_quota: int | None = Field(
+    chip_quota: Int | None = Field(
         None,
         ge=1,
         description="Set the limit to this many chips (creating it if needed). Empty: use the "
         "existing limit as it is (`prefect gcl create tpu-chips --limit N`).",
     )
-    max_parallel: int | None = Field(
+    max_parallel: Int | None = Field(
         None,
         ge=1,
         description="Trials of this sweep started at once, admitted or waiting for chips. "

@@ -109,7 +109,7 @@ def test_a_distribution_with_nothing_to_draw_is_named_not_a_traceback(low, high,
     NaN bound 'cannot convert float NaN to integer', from inside the sweep's plan."""
     space = {"random": {"seed": {"kind": "int_uniform", "low": low, "high": high}}}
     message = _space_error(space)
-    assert said in message and "int_uniform" in message
+    assert said in message and "space.random.seed" in message
 
 
 @pytest.mark.parametrize(
@@ -328,3 +328,24 @@ def test_report_of_a_dot_run_id_is_not_a_run(tmp_path, run_id):
     _recorded_run(tmp_path)
     with pytest.raises(RunNotFound, match="runs there: probe"):
         find_run_dir(str(tmp_path), run_id)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"space": {"grid": {"seed": [1, 2]}, "samples": True}},
+        {"space": {"grid": {"seed": [1, 2]}, "seed": 1.0}},
+        {"chip_quota": "16"},
+        {"max_parallel": 2.0},
+        {"space": {"random": {"seed": {"kind": "int_uniform", "low": False, "high": 3}}}},
+    ],
+)
+def test_sweep_numbers_are_numbers_of_their_type_as_in_a_pipeline_config(fields):
+    """The README promises integer fields take integers only; a sweep's took True, 2.0 and
+    "16" (and a bound False) silently, as numbers."""
+    from pydantic import ValidationError
+
+    from tasks.sweep_space import SweepConfig
+
+    with pytest.raises(ValidationError):
+        SweepConfig(**fields)
