@@ -1,0 +1,148 @@
+"""Sweep faults an acceptance probe of the user interface found: search spaces that ran
+something other than what they said, tracebacks from the plan, and a sweep run again that
+took chips for trials it would refuse and overwrote the finished sweep's rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import REPO, tiny_config
+from workloads.config_file import ConfigError, load_config
+
+
+def _space_error(space: dict) -> str:
+    """The error a sweep of configs/tiny.yaml over `space` stops with before any trial."""
+    from pydantic import ValidationError
+
+    from tasks.sweep_space import SweepConfig, build_trials
+
+    with pytest.raises((ValidationError, ConfigError)) as err:
+        build_trials(SweepConfig(base=load_config(REPO / "configs/tiny.yaml"), space=space), "s")
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "said"),
+    [(0.5, 0.7, "no integer"), (float("nan"), 3, "finite"), (0, float("inf"), "finite")],
+)
+def test_a_distribution_with_nothing_to_draw_is_named_not_a_traceback(low, high, said):
+    """An int_uniform over [0.5, 0.7] raised randint's 'empty range for randrange()', and a
+    NaN bound 'cannot convert float NaN to integer', from inside the sweep's plan."""
+    space = {"random": {"seed": {"kind": "int_uniform", "low": low, "high": high}}}
+    message = _space_error(space)
+    assert said in message and "space.random.seed" in message
+
+
+@pytest.mark.parametrize(
+    ("space", "said"),
+    [
+        ({}, "varies no field"),
+        ({"grid": {}, "random": {}}, "varies no field"),
+        ({"grid": {"run_name": ["a", "b"]}}, "run_name"),
+        ({"grid": {"train.learning_rate": [0.1]}, "samples": 4}, "space.random"),
+    ],
+)
+def test_a_space_that_cannot_mean_what_it_says_is_refused(space, said):
+    """An empty space ran the base config once as a 'sweep'; a searched run_name was
+    silently replaced by each trial's name; samples without random draws were ignored."""
+    assert said in _space_error(space)
+
+
+def test_trials_that_would_train_the_same_config_are_refused():
+    """A value listed twice in a grid (or 1 and 1.0 for a float field) gave two trials
+    that train the same model on the same data: twice the chips for one result."""
+    message = _space_error({"grid": {"train.learning_rate": [0.1, 1, 1.0]}})
+    assert "trials 1 and 2" in message and "the same config" in message
+    assert "trial 0" not in message
+
+
+def test_an_empty_sweep_name_means_a_new_one_as_its_description_says():
+    from tasks.sweep_space import SweepConfig
+
+    assert "Empty: a new name" in SweepConfig.model_fields["sweep_name"].description
+    assert SweepConfig(sweep_name="").sweep_name is None
+
+
+def _sweep_of(root, grid: dict):
+    from tasks.sweep_space import SweepConfig
+
+    return SweepConfig(base=tiny_config(root), space={"grid": grid}, sweep_name="s")
+
+
+def test_a_sweep_rerun_that_would_train_other_configs_is_refused_before_any_trial(tmp_path):
+    """Rerunning a sweep name with another space let every trial take its chips and then
+    fail its own validation ('already exists with a different training config'); the sweep
+    then replaced the finished sweep's `sweeps` rows with failed ones."""
+    from tasks.plan import plan_run, write_workload_config
+    from tasks.sweep import check_trials_resumable
+    from tasks.sweep_space import build_trials
+
+    for trial in build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.2]}), "s"):
+        write_workload_config(trial.config, plan_run(trial.config), str(tmp_path / "ds"))
+    again = build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.3]}), "s")
+    with pytest.raises(ConfigError) as err:
+        check_trials_resumable(again)
+    assert "trial 1 (train.learning_rate=0.3): run 's-t01' already exists" in str(err.value)
+    assert "trial 0" not in str(err.value)
+    check_trials_resumable(again[:1])  # the same point again resumes it: fine
+
+
+def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
+    """A trial that failed before landing anything was given the `runs` row an earlier run
+    of its name had landed: the sweep's rows and totals showed that run's eval loss and
+    chip-hours as this failed trial's."""
+    from datetime import UTC, datetime
+
+    from infra.metrics import RunRow, build_sink
+    from tasks.plan import metrics_path
+    from tasks.sweep import SweepPlan, TrialResult
+    from tasks.sweep_results import attach_landed_runs
+
+    base = tiny_config(tmp_path)
+    now = datetime.now(UTC)
+    row = RunRow(
+        run_id="s-t00", run_name="s-t00", flow_run_id="earlier", status="completed",
+        config_hash="h", config_json="{}", dataset_fingerprint="fp", started_at=now,
+        eval_loss=3.0, chip_hours=0.5, run_dir="/r",
+    )  # fmt: skip
+    build_sink("duckdb", metrics_path(base)).land(row, [], [])
+    plan = SweepPlan(
+        sweep_id="s", trials=[], via="subflow", trial_deployment="x/y", chip_limit="c",
+        chips=8, objective="eval_loss", max_parallel=1, base=base,
+    )  # fmt: skip
+
+    def result(flow_run_id):
+        return TrialResult(
+            index=0, run_id="s-t00", params={}, chips=8, status="failed", error="refused",
+            flow_run_id=flow_run_id, started_at=now, finished_at=now, waited_s=0.0,
+        )  # fmt: skip
+
+    for earlier_or_none in ("now", None):
+        assert attach_landed_runs.fn(plan, [result(earlier_or_none)])[0].run is None
+    assert attach_landed_runs.fn(plan, [result("earlier")])[0].run.chip_hours == 0.5
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"space": {"grid": {"seed": [1, 2]}, "samples": True}},
+        {"space": {"grid": {"seed": [1, 2]}, "seed": 1.0}},
+        {"chip_quota": "16"},
+        {"max_parallel": 2.0},
+        {"space": {"random": {"seed": {"kind": "int_uniform", "low": False, "high": 3}}}},
+    ],
+)
+def test_sweep_numbers_are_numbers_of_their_type_as_in_a_pipeline_config(fields):
+    """The README promises integer fields take integers only; a sweep's took True, 2.0 and
+    "16" (and a bound False) silently, as numbers."""
+    from pydantic import ValidationError
+
+    from tasks.sweep_space import SweepConfig
+
+    with pytest.raises(ValidationError):
+        SweepConfig(**fields)
+
+
+def test_a_typo_in_a_space_field_names_the_field_meant():
+    assert "(did you mean 'train'?)" in _space_error({"grid": {"trian.steps": [1]}})
+    assert "(did you mean 'learning_rate'?)" in _space_error({"grid": {"train.learning_rte": [1]}})
