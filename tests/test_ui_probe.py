@@ -213,3 +213,14 @@ def test_report_of_a_dot_run_id_is_not_a_run(tmp_path, run_id):
     _recorded_run(tmp_path)
     with pytest.raises(RunNotFound, match="runs there: probe"):
         find_run_dir(str(tmp_path), run_id)
+
+
+def test_a_runs_config_json_given_as_the_config_says_what_it_is(tmp_path):
+    """`tpupipe run --config .tpupipe/runs/x/config.json` gave six 'Extra inputs' lines,
+    one with a misleading guess (dataset_dir: did you mean 'dataset'?)."""
+    _recorded_run(tmp_path)
+    path = tmp_path / "runs" / "probe" / "config.json"
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: a run's config.json")
+    assert "'pipeline' section" in str(err.value) and "did you mean" not in str(err.value)

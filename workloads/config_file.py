@@ -68,6 +68,12 @@ def read_yaml(source: str) -> tuple[yaml.Node, dict]:
         raise ConfigError(f"{source}:{line}: duplicate key {key!r} (first given at line {first})")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of config sections")
+    if {"pipeline", "run_id", "config_hash"} <= set(data):
+        # JSON is YAML: without this, six 'Extra inputs' lines and a wrong guess.
+        raise ConfigError(
+            f"{source}: a run's config.json (what its workload reads), not a pipeline "
+            "config; its 'pipeline' section is one"
+        )
     return node, data
 
 
