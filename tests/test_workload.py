@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import time
 
 import numpy as np
 import pytest
 
+from infra.slices import SliceState
 from tasks.goodput import read_events
 from tests.workload_runs import WorkloadRun
 from workloads import checkpoint
@@ -135,3 +138,29 @@ def test_a_notice_at_the_last_step_ends_finished_not_preempted(tmp_path):
     assert run.wait(attempt) == 0
     assert run.status()["phase"] == "finished"
     assert checkpoint.latest_step(str(run.run_dir)) == 1
+
+
+def test_the_heartbeat_beats_between_rare_log_steps(tmp_path):
+    # Metrics every 1000 steps, a heartbeat timeout of 2 s: the status must still be
+    # rewritten well within the timeout, or the orchestrator takes a healthy run for a
+    # lost one, kills it and starts it again (forever, when a log step never comes in time).
+    run = WorkloadRun(
+        tmp_path,
+        "slice.heartbeat_timeout_s=2",
+        "train.steps=200",
+        "train.log_every=1000",
+        "train.checkpoint_every=1000",
+    )
+    attempt = run.start()
+    run.signal_in_phase(attempt, "training", signal.SIGCONT)  # harmless: wait for step 1
+    beats, status = [], run.run_dir / "status.json"
+    while run.provider.status(attempt).state is SliceState.READY:
+        beat = json.loads(status.read_text())
+        # From step 3: the first steps compile (step 2 again, for the layouts step 1
+        # returned), which blocks the loop. Up to the last step: the final save follows.
+        if beat["phase"] == "training" and beat["step"] >= 3 and beat["time"] not in beats:
+            beats.append(beat["time"])
+        time.sleep(0.02)
+    assert run.wait(attempt) == 0
+    assert run.status()["phase"] == "finished"
+    assert len(beats) > 3 and max(np.diff(beats)) < 1.0, np.diff(beats)

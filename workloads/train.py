@@ -117,11 +117,17 @@ class _Reporter:
         self.rd = RunDir(run_dir)
         self.events = EventLog.from_env(run_dir)
         self.primary = jax.process_index() == 0
+        self.last_status = time.monotonic()
 
     def status(self, phase: str, **fields: Any) -> None:
         if self.primary:
             self.events.check_lease()
             self.rd.write_status(phase, **fields)
+        self.last_status = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the last heartbeat."""
+        return time.monotonic() - self.last_status
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         if self.primary:
@@ -132,6 +138,12 @@ class _Reporter:
         if self.primary:
             self.events.check_lease()
             self.events.emit(event, **fields)
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """The longest silence between heartbeats while training: a quarter of the time after
+    which the orchestrator takes a silent workload for a lost one (at most a minute)."""
+    return min(60.0, timeout_s / 4)
 
 
 def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
@@ -177,6 +189,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     step_fn = make_train_step(state.graphdef, mesh)
     total, every = cfg.train.steps, cfg.train.checkpoint_every
     step = last_saved = start
+    loss, beat_s = None, heartbeat_interval(cfg.slice.heartbeat_timeout_s)
     # Noticed during start-up: nothing new to save. (A finished run just says so below.)
     if notice.received and start < total:
         report.status("preempted", step=start, last_checkpoint=start or None)
@@ -209,6 +222,11 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                     )
                 report.metrics(rows)
                 loss = finite_or_none(rows[-1]["loss"])
+                report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
+            elif report.silent_for() >= beat_s:
+                # Log steps alone may be further apart than the orchestrator's heartbeat
+                # timeout. Beat without fetching metrics (a sync with the devices): the step
+                # dispatched and the last loss fetched.
                 report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
             if save_now:
                 if report.primary:
