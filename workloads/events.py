@@ -22,7 +22,7 @@ from typing import Any
 
 from etils import epath
 
-from workloads.rundir import read_json, write_json_atomic
+from workloads.rundir import append_lines, read_json, write_json_atomic
 
 EVENTS = "events.jsonl"
 LEASE = "lease.json"
@@ -86,8 +86,7 @@ class EventLog:
             old = path.read_text() if path.exists() else ""
             path.write_text(old + line)
             return
-        with open(path, "a") as f:
-            f.write(line)
+        append_lines(path, line)
 
     def check_lease(self) -> None:
         """Raise LeaseLost if another attempt holds the run directory's lease.

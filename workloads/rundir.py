@@ -21,6 +21,22 @@ CONFIG = "config.json"
 EVAL = "eval.json"
 
 
+def append_lines(path: os.PathLike, lines: str) -> None:
+    """Append whole lines to a local file, in one write.
+
+    A writer killed mid-line leaves a torn last line without its newline: that line is
+    ended first, or the first line appended now would be glued to it, unreadable, and
+    lost (an attempt's first metrics row or its `started` event).
+    """
+    with open(path, "a+b") as f:  # "a": every write lands at the end, wherever we read
+        if f.seek(0, os.SEEK_END):  # not empty
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                lines = "\n" + lines
+        f.write(lines.encode())
+        f.flush()
+
+
 def write_json_atomic(path: epath.Path, payload: dict[str, Any]) -> None:
     """Write JSON so a concurrent reader sees the old or the new file, never a torn one."""
     text = json.dumps(payload, indent=2, sort_keys=True, default=_jsonable)
@@ -94,9 +110,7 @@ class RunDir:
             old = path.read_text() if path.exists() else ""
             path.write_text(old + lines)
             return
-        with path.open("a") as f:
-            f.write(lines)
-            f.flush()
+        append_lines(path, lines)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every complete metrics line; a torn last line (killed mid-write) is skipped."""
