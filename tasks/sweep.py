@@ -116,6 +116,22 @@ def ensure_chip_limit(name: str, quota: int | None, needed: int, client: Any) ->
     return limit.limit
 
 
+def ensure_trial_deployment(name: str, client: Any) -> None:
+    """The deployment trials run as must exist, or every trial would take its chips and
+    crash in `run_deployment`.
+
+    Raises:
+        SweepError: naming the deployment and how to create it.
+    """
+    try:
+        client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        raise SweepError(
+            f"no deployment {name!r} for the trials (trial_deployment): deploy it with "
+            "`prefect deploy --all`, or give trials_via 'subflow'"
+        ) from None
+
+
 @task(name="plan-sweep", cache_policy=NONE)
 def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> SweepPlan:
     """Name the sweep, validate every trial's config and check the chip limit: all of
@@ -127,6 +143,8 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     if via == "auto":
         via = "deployment" if deployed else "subflow"
     with get_client(sync_client=True) as client:
+        if via == "deployment":
+            ensure_trial_deployment(config.trial_deployment, client)
         chips = ensure_chip_limit(
             config.chip_limit, config.chip_quota, max(t.chips for t in trials), client
         )

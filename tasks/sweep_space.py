@@ -175,6 +175,16 @@ class SweepConfig(_Strict):
             )
         return value
 
+    @field_validator("trial_deployment")
+    @classmethod
+    def _deployment_named_in_full(cls, value: str) -> str:
+        if len(value.split("/")) != 2 or not all(value.split("/")):
+            raise ValueError(
+                f"trial_deployment {value!r} must be 'flow name/deployment name', e.g. "
+                "tpu-training-pipeline/train"
+            )
+        return value
+
 
 _SWEEP_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,50}$")
 

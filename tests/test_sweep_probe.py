@@ -146,3 +146,24 @@ def test_sweep_numbers_are_numbers_of_their_type_as_in_a_pipeline_config(fields)
 def test_a_typo_in_a_space_field_names_the_field_meant():
     assert "(did you mean 'train'?)" in _space_error({"grid": {"trian.steps": [1]}})
     assert "(did you mean 'learning_rate'?)" in _space_error({"grid": {"train.learning_rte": [1]}})
+
+
+def test_trials_via_a_deployment_that_does_not_exist_stop_the_plan():
+    """A mistyped trial_deployment let every trial take its chips and crash in
+    run_deployment, and the sweep replaced a finished sweep's rows with crashed ones."""
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.sweep import SweepError, ensure_trial_deployment
+    from tasks.sweep_space import SweepConfig
+
+    class Client:
+        def read_deployment_by_name(self, name):
+            if name != "tpu-training-pipeline/train":
+                raise ObjectNotFound(http_exc=None)
+            return object()
+
+    ensure_trial_deployment("tpu-training-pipeline/train", Client())
+    with pytest.raises(SweepError, match=r"no deployment 'tpu-training-pipeline/trian'"):
+        ensure_trial_deployment("tpu-training-pipeline/trian", Client())
+    with pytest.raises(ValueError, match="flow name/deployment name"):
+        SweepConfig(trial_deployment="train")
