@@ -29,6 +29,7 @@ _STATUS = {
     429: "RESOURCE_EXHAUSTED",
     400: "FAILED_PRECONDITION",
     500: "INTERNAL",
+    503: "UNAVAILABLE",
 }
 _NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 _QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
@@ -63,6 +64,9 @@ class FakeTpuApi:
         spot_waits: queued resources stay WAITING_FOR_RESOURCES.
         on_ready / on_gone: hooks called with (zone, node_id, node) when a node becomes
             READY / is deleted or preempted (the pipeline test starts and stops "VMs").
+        faults: (method, path suffix, http_code) answered once each, in order, by the
+            first request that matches, before anything else happens (a transient 503 on
+            a GET of an operation, a 429 on a delete, …).
         calls: (method, path) of every request; creates: node ids created, in order.
     """
 
@@ -72,6 +76,7 @@ class FakeTpuApi:
         self.operations: dict[str, dict[str, Any]] = {}
         self.create_errors: dict[str, list[tuple]] = {}
         self.deny = False
+        self.faults: list[tuple[str, str, int]] = []
         self.creating_polls = 1
         self.op_polls = 1
         self.spot_waits = False
@@ -147,6 +152,7 @@ class FakeTpuApi:
         try:
             if route is None:
                 raise ApiError(404, f"no route {url.path}")
+            self._inject_fault(method, url.path)
             if self.deny:
                 raise ApiError(403, "Permission 'tpu.nodes.create' denied on resource")
             with self._lock:
@@ -154,6 +160,13 @@ class FakeTpuApi:
         except ApiError as e:
             status = _STATUS.get(e.code, "UNKNOWN")
             return e.code, {"error": {"code": e.code, "message": e.message, "status": status}}
+
+    def _inject_fault(self, method: str, path: str) -> None:
+        with self._lock:
+            for i, (m, suffix, code) in enumerate(self.faults):
+                if m == method and path.endswith(suffix):
+                    del self.faults[i]
+                    raise ApiError(code, f"injected {code} on {method} {path}")
 
     def _dispatch(self, method: str, r: dict, query: dict, body: dict) -> Any:
         zone, kind, rid = r["zone"], r["kind"], r["id"]

@@ -41,6 +41,7 @@ from infra.slices.base import (
     validate_name,
 )
 from infra.slices.gcp_api import (
+    CREATE_AGAIN,
     CREATE_RETRY,
     CapacityError,
     TpuPermissionError,
@@ -120,24 +121,37 @@ class GcpSliceProvider:
             for attempt in range(1, self.settings.provision_attempts + 1):
                 try:
                     return self._create_in(zone, spec.name, node, launch_id)
-                except gexc.TooManyRequests as e:  # RESOURCE_EXHAUSTED: quota or capacity
+                except CREATE_AGAIN as e:  # quota, capacity, or a transient failure
                     last = e
                     log.warning(
-                        "slice %s in %s: no quota/capacity (attempt %d/%d): %s",
+                        "slice %s in %s: create failed (attempt %d/%d): %s",
                         spec.name,
                         zone,
                         attempt,
                         self.settings.provision_attempts,
-                        e.message,
+                        e,
                     )
-                    if attempt < self.settings.provision_attempts:
-                        self._sleep(next(delays))
+                except gexc.Forbidden:
+                    raise  # `_denied` names the API and the role to grant
+                except gexc.GoogleAPICallError as e:
+                    # Permanent (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, …): no
+                    # other attempt or zone would fare better. The API's own message names
+                    # neither the slice nor the zone when it comes from the operation.
+                    self._delete_in(zone, spec.name)
+                    raise SliceError(
+                        f"slice {spec.name!r} ({self.settings.accelerator_type}, "
+                        f"{self.settings.runtime_version}) in {zone}: the TPU API refused to "
+                        f"create it: {e}"
+                    ) from e
+                if attempt < self.settings.provision_attempts:
+                    self._sleep(next(delays))
             # Nothing of ours may linger in a zone we give up on (a waiting spot request).
             self._delete_in(zone, spec.name)
         raise CapacityError(
             f"slice {spec.name!r} ({self.settings.accelerator_type}, {self.settings.capacity}): "
-            f"no quota or capacity in {', '.join(self.settings.zones)} after "
-            f"{self.settings.provision_attempts} attempts each; last error: {last}"
+            f"no quota or capacity (or the create kept failing) in "
+            f"{', '.join(self.settings.zones)} after {self.settings.provision_attempts} "
+            f"attempts each; last error: {last}"
         )
 
     def status(self, name: str) -> SliceStatus:

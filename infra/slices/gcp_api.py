@@ -43,6 +43,19 @@ CREATE_RETRY = gretry.Retry(
 )
 
 
+# Why a create may fail and still be worth another attempt after a backoff (then another
+# zone): RESOURCE_EXHAUSTED (quota, capacity, a failed spot request), and a create
+# operation that ended INTERNAL or UNAVAILABLE, or CREATE_RETRY running out on an API that
+# stayed unavailable. These are transient by gRPC's definition; failing the whole run on
+# them (as a raw traceback, never retried) would throw away a run for a hiccup.
+CREATE_AGAIN = (
+    gexc.TooManyRequests,
+    gexc.InternalServerError,
+    gexc.ServiceUnavailable,
+    gexc.RetryError,
+)
+
+
 class TpuPermissionError(SliceError):
     """The TPU API refused a call for lack of permission: not worth retrying."""
 

@@ -1,0 +1,70 @@
+"""The GCP slice provider under API faults the happy-path tests never script: transient
+errors on any call, create operations that fail, permanent errors on a create."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.slices.base import ProvisioningError, SliceError, SliceState
+from tests.emulator.test_tpu_provider import PROJECT, FakeClock, make_provider, spec
+
+pytestmark = pytest.mark.emulator
+
+ZONES = ("us-west4-a", "us-east5-b")
+NODE = f"/v2/projects/{PROJECT}/locations/us-west4-a/nodes/tpupipe-r1"
+
+
+def test_transient_errors_on_every_kind_of_call_are_retried(fake_tpu):
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    fake.faults = [("GET", NODE, 503), ("GET", "/operations/op-1", 503), ("GET", NODE, 429)]
+    assert provider.create(spec()).state is SliceState.READY
+    fake.faults = [("GET", NODE, 500)]
+    assert provider.status("tpupipe-r1").state is SliceState.READY
+    fake.faults = [("DELETE", NODE, 503), ("GET", "/operations/op-2", 503)]
+    assert provider.delete("tpupipe-r1") is True
+    assert fake.nodes == {} and fake.faults == []
+
+
+@pytest.mark.parametrize("code", [13, 14], ids=["INTERNAL", "UNAVAILABLE"])
+def test_a_create_operation_that_failed_transiently_is_tried_again(fake_tpu, code):
+    fake, host = fake_tpu
+    fake.create_errors["us-west4-a"] = [("op", code, "An internal error has occurred")]
+    clock = FakeClock()
+    provider = make_provider(host, clock=clock, zones=ZONES, provision_attempts=2)
+
+    assert provider.create(spec()).state is SliceState.READY
+    assert ("us-west4-a", "tpupipe-r1") in fake.nodes and len(fake.nodes) == 1
+    assert len([s for s in clock.sleeps if s > 0.01]) == 1  # one backoff, then success
+
+
+def test_a_create_that_keeps_failing_transiently_is_a_provisioning_error(fake_tpu):
+    fake, host = fake_tpu
+    for zone in ZONES:
+        fake.create_errors[zone] = [("op", 13, "An internal error has occurred")] * 2
+    provider = make_provider(host, zones=ZONES, provision_attempts=2)
+
+    # ProvisioningError: the provision task's retry budget (with its backoff) applies.
+    with pytest.raises(ProvisioningError, match="internal error"):
+        provider.create(spec())
+    assert fake.nodes == {} and fake.queued == {}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [(400, "Invalid accelerator type"), ("op", 3, "Invalid accelerator type")],
+    ids=["call", "operation"],
+)
+def test_a_refused_create_names_slice_and_zone_and_is_not_retried(fake_tpu, error):
+    fake, host = fake_tpu
+    fake.create_errors["us-west4-a"] = [error]
+    provider = make_provider(host, zones=ZONES)
+
+    with pytest.raises(SliceError) as err:
+        provider.create(spec())
+    assert not isinstance(err.value, ProvisioningError)  # a config error: never retried
+    message = str(err.value)
+    assert "'tpupipe-r1'" in message and "us-west4-a" in message
+    assert "v5litepod-8" in message and "Invalid accelerator type" in message
+    assert [c for c in fake.calls if c[0] == "POST"] == [("POST", NODE.rsplit("/", 1)[0])]
+    assert fake.nodes == {}
