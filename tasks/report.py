@@ -46,14 +46,26 @@ def find_run_dir(root: str, run_id: str) -> str:
     """`{root}/runs/{run_id}`, which must exist.
 
     Raises:
-        RunNotFound: with the runs that do exist there (up to 10), to pick from.
+        RunNotFound: with the runs that do exist there (up to 10), to pick from, or why
+            the runs directory could not be read.
     """
     runs = epath.Path(root) / "runs"
     run_dir = runs / run_id
     # "." and ".." are directories too: the runs directory and the storage root.
     if run_id not in ("", ".", "..") and "/" not in run_id and run_dir.is_dir():
         return str(run_dir)
-    known = sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+    try:
+        # In gs:// a listing is the only way to tell "not there" from "could not look":
+        # is_dir answers False for any error (no credentials, no network).
+        remote = "://" in root
+        known = (
+            sorted(p.name for p in runs.iterdir() if p.is_dir()) if remote or runs.is_dir() else []
+        )
+    except FileNotFoundError:
+        known = []
+    except Exception as exc:
+        where = f"{root.rstrip('/')}/runs"
+        raise RunNotFound(f"cannot read {where}: {type(exc).__name__}: {exc}") from None
     listed = ", ".join(known[:10]) + (", …" if len(known) > 10 else "")
     there = f"runs there: {listed}" if known else "no runs there"
     raise RunNotFound(f"no run {run_id!r} under {runs} ({there})")

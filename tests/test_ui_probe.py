@@ -224,3 +224,23 @@ def test_a_runs_config_json_given_as_the_config_says_what_it_is(tmp_path):
         load_config(path)
     assert str(err.value).startswith(f"{path}: a run's config.json")
     assert "'pipeline' section" in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_report_says_when_the_storage_cannot_be_read_not_that_no_run_is_there(monkeypatch):
+    """Without credentials or network, `tpupipe report v5e-small --config <gs:// root>`
+    said "no run 'v5e-small' ... (no runs there)": a missing run, where the bucket had not
+    been read at all (gcsfs's is_dir answers False on any error)."""
+    from tasks import report
+
+    class Unreadable(type(report.epath.Path("/"))):
+        def is_dir(self):
+            return False
+
+        def iterdir(self):
+            raise PermissionError("Anonymous caller does not have storage.objects.list access")
+
+    monkeypatch.setattr(report.epath, "Path", Unreadable)
+    with pytest.raises(report.RunNotFound) as err:
+        report.find_run_dir("gs://bucket/tpupipe", "v5e-small")
+    assert "cannot read gs://bucket/tpupipe/runs" in str(err.value)
+    assert "storage.objects.list" in str(err.value) and "no runs there" not in str(err.value)
