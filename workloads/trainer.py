@@ -54,7 +54,9 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; norms and embeddings' padding are not decayed."""
+    """AdamW with global-norm clipping (to 1.0); weight decay on matrices only, so the
+    norms' scale vectors are not decayed. (The embedding's padding rows are: they get no
+    gradient, so decay only shrinks them, and they are never looked up or predicted.)"""
 
     def decay_mask(params: Any) -> Any:
         # Weight decay on matrices only: decaying norm scales pulls them towards zero.
