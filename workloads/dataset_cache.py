@@ -14,6 +14,8 @@ import shutil
 
 from etils import epath
 
+from workloads.sources import DatasetError
+
 MANIFEST = "manifest.json"
 
 
@@ -24,9 +26,12 @@ def cache_root() -> str:
 
 
 def local_dataset(dataset_dir: str | os.PathLike, root: str | None = None) -> str:
-    """A local directory holding `dataset_dir`: itself if local, else a verified copy."""
-    from workloads.data import verify_shards
+    """A local directory holding `dataset_dir`: itself if local, else a verified copy.
 
+    Raises:
+        DatasetError: the remote dataset has no manifest (an interrupted publish), lacks a
+            shard its manifest lists, or a shard's sha256 differs; naming the gs:// object.
+    """
     source = str(dataset_dir)
     if "://" not in source:
         return source
@@ -38,13 +43,41 @@ def local_dataset(dataset_dir: str | os.PathLike, root: str | None = None) -> st
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    manifest = json.loads((remote / MANIFEST).read_text())
-    names = [shard["name"] for split in manifest["splits"].values() for shard in split["shards"]]
-    for name in [*names, MANIFEST]:  # the manifest last: its presence means complete
-        (remote / name).copy(partial / name)
-    verify_shards(os.fspath(partial))  # raises naming a shard whose bytes differ
+    try:
+        _copy_verified(remote, partial)
+    except BaseException:
+        # Another process has another pid: a failed copy left here would stay forever.
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if target.exists():  # another process finished first: keep its copy
         shutil.rmtree(partial)
     else:
         partial.rename(target)
     return os.fspath(target)
+
+
+def _copy_verified(remote: epath.Path, local: epath.Path) -> None:
+    """Copy every shard the remote manifest lists, check each one's sha256, then write that
+    same manifest (read once: what was checked is what the copy says it holds)."""
+    from workloads.manifest import file_sha256
+
+    try:
+        text = (remote / MANIFEST).read_text()
+    except FileNotFoundError:
+        raise DatasetError(
+            f"dataset {remote} has no {remote / MANIFEST}: its upload was interrupted or it "
+            "was deleted; shard the dataset again"
+        ) from None
+    manifest = json.loads(text)
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            source, copy = remote / shard["name"], local / shard["name"]
+            try:
+                source.copy(copy)
+            except FileNotFoundError:
+                raise DatasetError(
+                    f"dataset shard {source} is missing, though {remote / MANIFEST} lists it"
+                ) from None
+            if file_sha256(copy) != shard["sha256"]:
+                raise DatasetError(f"dataset shard {source} does not match its manifest sha256")
+    (local / MANIFEST).write_text(text)  # last: its presence means complete
