@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.api_core import exceptions as gexc
-from google.api_core import retry as gretry
 from google.cloud import bigquery
 
 from infra.metrics.rows import (
@@ -55,15 +54,12 @@ STAGING_TTL = dt.timedelta(days=1)
 # The API may answer with the legacy SQL names of the types.
 _LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL"}
 _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
-# Transient errors of one call; a landing as a whole is safe to re-run anyway.
-RETRY = gretry.Retry(
-    predicate=gretry.if_exception_type(
-        gexc.ServiceUnavailable, gexc.InternalServerError, gexc.TooManyRequests
-    ),
-    initial=1.0,
-    maximum=30.0,
-    timeout=300.0,
-)
+# Transient errors of one call; a landing as a whole is safe to re-run anyway. The
+# BigQuery library's own predicate, not a list of status codes: BigQuery answers its rate
+# limits (e.g. too many updates of one table's metadata) with 403 rateLimitExceeded, which
+# a status-code list cannot tell from 403 accessDenied, and a connection reset is no API
+# error at all. Permanent errors (400, 403 accessDenied, 404) are not retried.
+RETRY = bigquery.DEFAULT_RETRY.with_delay(initial=1.0, maximum=30.0).with_timeout(300.0)
 
 
 class SchemaError(RuntimeError):

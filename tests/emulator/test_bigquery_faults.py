@@ -1,0 +1,94 @@
+"""The BigQuery sink under transport faults the emulator never makes by itself: BigQuery's
+own transient answers (403 rateLimitExceeded, 5xx backendError), connection resets, and
+permanent refusals that must not be retried."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from google.api_core import exceptions as gexc
+
+from infra.metrics import bigquery_sink
+from infra.metrics.bigquery_sink import BigQuerySink
+from tests.emulator.test_bigquery_sink import count, rows
+
+pytestmark = pytest.mark.emulator
+
+
+def _answer(code: int, reason: str, message: str) -> requests.Response:
+    resp = requests.Response()
+    resp.request = requests.Request("GET", "http://bigquery.invalid/").prepare()
+    resp.status_code = code
+    resp.headers["Content-Type"] = "application/json"
+    error = {"code": code, "message": message, "errors": [{"reason": reason, "message": message}]}
+    resp._content = json.dumps({"error": error}).encode()
+    return resp
+
+
+class Faults:
+    """Wraps the client's HTTP session: the first request matching each fault gets it."""
+
+    def __init__(self, sink, monkeypatch) -> None:
+        self.pending: list[tuple[str, str, object]] = []
+        self.seen: list[tuple[str, str]] = []
+        real = sink.client._http.request
+
+        def request(method, url, *args, **kwargs):
+            self.seen.append((method, url))
+            for i, (m, part, fault) in enumerate(self.pending):
+                if m == method and part in url:
+                    del self.pending[i]
+                    if isinstance(fault, Exception):
+                        raise fault
+                    return fault
+            return real(method, url, *args, **kwargs)
+
+        monkeypatch.setattr(sink.client._http, "request", request)
+
+
+@pytest.fixture
+def sink(bq_emulator, request) -> BigQuerySink:
+    from infra.gcp.clients import bigquery_client
+
+    dataset = f"f_{abs(hash(request.node.nodeid)) % 10**8}"
+    return BigQuerySink(bigquery_client("test-project"), dataset, location="US")
+
+
+@pytest.fixture
+def fast_retry(monkeypatch):
+    monkeypatch.setattr(
+        bigquery_sink, "RETRY", bigquery_sink.RETRY.with_delay(initial=0.01, maximum=0.05)
+    )
+
+
+def test_bigquerys_own_transient_answers_and_connection_resets_are_retried(
+    sink, monkeypatch, fast_retry
+):
+    faults = Faults(sink, monkeypatch)
+    reset = requests.exceptions.ConnectionError("Connection reset by peer")
+    faults.pending = [
+        # Table metadata updates are rate limited per table: BigQuery answers 403.
+        ("PATCH", "/tables/_staging_", _answer(403, "rateLimitExceeded", "Exceeded rate limits")),
+        ("POST", "/test-project/jobs?", reset),  # the MERGE transaction's job insert
+        ("GET", "/queries/", _answer(500, "internalError", "Internal error")),
+        ("GET", "/datasets/", _answer(503, "backendError", "Backend error")),
+    ]
+    run, steps, evals = rows()
+
+    sink.land(run, steps, evals)
+
+    assert faults.pending == []
+    assert count(sink, "step_metrics", "r1") == 5 and count(sink, "runs", "r1") == 1
+
+
+def test_a_permanent_refusal_is_not_retried(sink, monkeypatch, fast_retry):
+    faults = Faults(sink, monkeypatch)
+    denied = _answer(403, "accessDenied", "Access Denied: Dataset test-project:m")
+    faults.pending = [("GET", "/datasets/", denied)]
+    run, steps, evals = rows()
+
+    with pytest.raises(gexc.Forbidden, match="Access Denied"):
+        sink.land(run, steps, evals)
+    assert len(faults.seen) == 1
