@@ -31,6 +31,7 @@ _STATUS = {
     500: "INTERNAL",
     503: "UNAVAILABLE",
 }
+RESET = 0  # a fault "code": the connection is closed without an answer
 _NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 _QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
 _EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
@@ -66,7 +67,7 @@ class FakeTpuApi:
             READY / is deleted or preempted (the pipeline test starts and stops "VMs").
         faults: (method, path suffix, http_code) answered once each, in order, by the
             first request that matches, before anything else happens (a transient 503 on
-            a GET of an operation, a 429 on a delete, …).
+            a GET of an operation, a 429 on a delete, …); code RESET (0) hangs up instead.
         calls: (method, path) of every request; creates: node ids created, in order.
     """
 
@@ -102,6 +103,9 @@ class FakeTpuApi:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}") if length else {}
                 code, payload = api.handle(method, self.path, body)
+                if code == RESET:  # hang up without an answer, as a reset connection does
+                    self.close_connection = True
+                    return
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")

@@ -10,15 +10,25 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import requests
 from google.api_core import exceptions as gexc
 from google.api_core import retry as gretry
 from google.api_core.future.polling import POLLING_PREDICATE
+from google.auth import exceptions as auth_exceptions
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2
 
 from infra.slices.base import ProvisioningError, SliceError
 from infra.slices.gcp_node import MD_EXIT_URI, MD_HOSTS, TpuSettings
 
+# A call that never got an answer: the connection was reset or dropped mid-answer, or the
+# token refresh could not reach its server. Not API errors, so no status code names them
+# (google-api-core's `if_transient_error` lists the same ones).
+_UNANSWERED = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    auth_exceptions.TransportError,
+)
 # Transient failures of a single call; retried by google-api-core with backoff. 429 (rate
 # limit) is transient for reads and deletes; for creates it means quota, handled apart.
 TRANSIENT = gretry.Retry(
@@ -28,15 +38,19 @@ TRANSIENT = gretry.Retry(
         gexc.BadGateway,
         gexc.GatewayTimeout,
         gexc.TooManyRequests,
+        *_UNANSWERED,
     ),
     initial=1.0,
     maximum=30.0,
     timeout=300.0,
 )
-# A create is keyed by its node id, so retrying it cannot duplicate anything; 429 is not
-# in this list because it means quota, which the provisioning loop backs off from.
+# A create is keyed by its node id, so retrying it cannot duplicate anything (a create that
+# did arrive answers 409 and is adopted); 429 is not in this list because it means quota,
+# which the provisioning loop backs off from.
 CREATE_RETRY = gretry.Retry(
-    predicate=gretry.if_exception_type(gexc.ServiceUnavailable, gexc.InternalServerError),
+    predicate=gretry.if_exception_type(
+        gexc.ServiceUnavailable, gexc.InternalServerError, *_UNANSWERED
+    ),
     initial=1.0,
     maximum=30.0,
     timeout=300.0,

@@ -7,6 +7,7 @@ import pytest
 
 from infra.slices.base import ProvisioningError, SliceError, SliceState
 from tests.emulator.test_tpu_provider import PROJECT, FakeClock, make_provider, spec
+from tests.fake_tpu import RESET
 
 pytestmark = pytest.mark.emulator
 
@@ -68,3 +69,15 @@ def test_a_refused_create_names_slice_and_zone_and_is_not_retried(fake_tpu, erro
     assert "v5litepod-8" in message and "Invalid accelerator type" in message
     assert [c for c in fake.calls if c[0] == "POST"] == [("POST", NODE.rsplit("/", 1)[0])]
     assert fake.nodes == {}
+
+
+def test_a_connection_reset_is_retried_like_any_transient_error(fake_tpu):
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    fake.faults = [("GET", NODE, RESET)]
+    assert provider.create(spec()).state is SliceState.READY
+    fake.faults = [("GET", NODE, RESET)]
+    assert provider.status("tpupipe-r1").state is SliceState.READY
+    fake.faults = [("DELETE", NODE, RESET)]
+    assert provider.delete("tpupipe-r1") is True
+    assert fake.nodes == {} and fake.faults == []
