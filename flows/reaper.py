@@ -23,10 +23,12 @@ def _flow_run_state(flow_run_id: str) -> str | None:
 @task(name="reap-slices", cache_policy=NONE)
 def reap_slices(config: PipelineConfig) -> list[tuple[str, str]]:
     """Delete this project's orphaned slices on the config's provider."""
-    reaped = reap(provider_for(config), _flow_run_state)
-    for name, reason in reaped:
-        get_run_logger().warning("reaped slice %s: %s", name, reason)
-    return reaped
+    logger = get_run_logger()
+    return reap(
+        provider_for(config),
+        _flow_run_state,
+        on_reaped=lambda name, reason: logger.warning("reaped slice %s: %s", name, reason),
+    )
 
 
 @flow(name="reap-orphans")

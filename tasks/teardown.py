@@ -35,12 +35,39 @@ def provider_for(config: PipelineConfig):
     return build_provider(config.slice.provider, plan_run(config).slices_root, config.slice)
 
 
+class TeardownError(RuntimeError):
+    """Some slices could not be deleted (the others were): each is named with its error.
+
+    Attributes:
+        failed: (slice name, error) of each slice left standing.
+        reaped: (slice name, reason) of each slice deleted before and after them.
+    """
+
+    def __init__(
+        self, failed: list[tuple[str, Exception]], reaped: list[tuple[str, str]] = ()
+    ) -> None:
+        names = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failed)
+        super().__init__(f"{len(failed)} slice(s) could not be deleted ({names})")
+        self.failed, self.reaped = failed, list(reaped)
+
+
 def delete_flow_run_slices(flow, flow_run, state) -> None:
-    """Flow hook: delete every slice labelled with this flow run's id (idempotent)."""
+    """Flow hook: delete every slice labelled with this flow run's id (idempotent).
+
+    Raises:
+        TeardownError: some could not be deleted; every other one was.
+    """
     provider = provider_for(_config_of(flow_run.parameters))
+    failed = []
     for status in provider.list({"flow-run-id": str(flow_run.id)}):
-        provider.delete(status.name)
+        try:
+            provider.delete(status.name)
+        except Exception as e:  # the next slice must still go: the error is raised below
+            failed.append((status.name, e))
+            continue
         log.warning("flow run %s is %s: deleted slice %s", flow_run.id, state.type, status.name)
+    if failed:
+        raise TeardownError(failed)
 
 
 def orphan_reason(
@@ -68,21 +95,44 @@ def orphan_reason(
 
 
 def reap(
-    provider, flow_run_state: Callable[[str], str | None], now: float | None = None
+    provider,
+    flow_run_state: Callable[[str], str | None],
+    now: float | None = None,
+    on_reaped: Callable[[str, str], None] | None = None,
 ) -> list[tuple[str, str]]:
-    """Delete every orphaned slice of this project; returns (name, reason) pairs."""
+    """Delete every orphaned slice of this project; returns (name, reason) pairs.
+
+    A slice that cannot be looked at or deleted does not stop the others from being
+    reaped: one slice the API refuses to delete would otherwise shield every slice listed
+    after it, run after run of the reaper.
+
+    Args:
+        on_reaped: called with (name, reason) as each slice is deleted.
+
+    Raises:
+        TeardownError: some orphans could not be deleted; its `reaped` lists the others.
+    """
     now = time.time() if now is None else now
     owner_gone = getattr(provider, "owner_gone", None)
-    reaped = []
+    reaped, failed = [], []
     for status in provider.list({"managed-by": MANAGED_BY}):
         run_id = status.labels.get("flow-run-id")
-        reason = orphan_reason(
-            status.labels,
-            flow_run_state(run_id) if run_id else None,
-            now,
-            owner_gone(status.name) if owner_gone else None,
-        )
+        try:
+            reason = orphan_reason(
+                status.labels,
+                flow_run_state(run_id) if run_id else None,
+                now,
+                owner_gone(status.name) if owner_gone else None,
+            )
+            if reason:
+                provider.delete(status.name)
+        except Exception as e:
+            failed.append((status.name, e))
+            continue
         if reason:
-            provider.delete(status.name)
             reaped.append((status.name, reason))
+            if on_reaped:
+                on_reaped(status.name, reason)
+    if failed:
+        raise TeardownError(failed, reaped)
     return reaped

@@ -1,0 +1,51 @@
+"""Teardown layers 2 and 3 (flow hooks, the orphan reaper) on the GCP provider when the
+TPU API refuses to delete one of the slices: the others are still deleted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tasks import teardown
+from tasks.teardown import TeardownError, reap
+from tests.emulator.test_tpu_provider import LABELS, PROJECT, make_provider, spec
+
+pytestmark = pytest.mark.emulator
+
+NOW = 1_000_000.0  # the fake clock of make_provider: no ttl has passed
+NODES = f"/v2/projects/{PROJECT}/locations/us-west4-a/nodes"
+
+
+def test_one_slice_that_cannot_be_deleted_does_not_shield_the_others(fake_tpu):
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    for name in ("tpupipe-a", "tpupipe-b", "tpupipe-c"):
+        provider.create(spec(name, {**LABELS, "run-id": name}))
+    fake.faults = [("DELETE", f"{NODES}/tpupipe-a", 400)]  # e.g. FAILED_PRECONDITION
+
+    with pytest.raises(TeardownError) as err:
+        reap(provider, lambda flow_run_id: "COMPLETED", now=NOW)
+
+    # Every other orphan is gone; the error names the one left and why.
+    assert sorted(zone_node[1] for zone_node in fake.nodes) == ["tpupipe-a"]
+    assert "tpupipe-a" in str(err.value) and "400" in str(err.value)
+    assert [name for name, _ in err.value.reaped] == ["tpupipe-b", "tpupipe-c"]
+    assert reap(provider, lambda flow_run_id: "COMPLETED", now=NOW) == [
+        ("tpupipe-a", "its flow run is COMPLETED")
+    ]  # the next run of the reaper gets it
+    assert fake.nodes == {}
+
+
+def test_the_crash_hook_deletes_the_rest_of_its_flow_runs_slices(fake_tpu, monkeypatch):
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    for name in ("tpupipe-a", "tpupipe-b"):
+        provider.create(spec(name, {**LABELS, "run-id": name}))
+    fake.faults = [("DELETE", f"{NODES}/tpupipe-a", 400)]
+    monkeypatch.setattr(teardown, "provider_for", lambda config: provider)
+    flow_run = SimpleNamespace(id=LABELS["flow-run-id"], parameters={})
+
+    with pytest.raises(TeardownError, match="tpupipe-a"):
+        teardown.delete_flow_run_slices(None, flow_run, SimpleNamespace(type="CRASHED"))
+    assert [node for _, node in fake.nodes] == ["tpupipe-a"]
