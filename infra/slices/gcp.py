@@ -183,11 +183,26 @@ class GcpSliceProvider:
 
         Returns:
             True if something was deleted or cancelled, False if nothing existed.
+
+        Raises:
+            SliceError: the API refused the delete in some zone (after its retries); every
+                other zone was still cleared, so a zone in trouble cannot shield the slice
+                that a fallback zone holds.
         """
         del grace_s
         validate_name(name)
+        deleted, failed = False, []
         with self._denied("delete"):
-            return any([self._delete_in(zone, name) for zone in list(self._zones_for(name))])
+            for zone in list(self._zones_for(name)):
+                try:
+                    deleted = self._delete_in(zone, name) or deleted
+                except gexc.Forbidden:
+                    raise
+                except (gexc.GoogleAPICallError, gexc.RetryError) as e:
+                    failed.append(f"{zone}: {e}")
+        if failed:
+            raise SliceError(f"slice {name!r} could not be deleted in {'; '.join(failed)}")
+        return deleted
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
         """Slices (nodes, and spot requests still waiting) carrying every given label."""

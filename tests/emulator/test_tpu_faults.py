@@ -81,3 +81,18 @@ def test_a_connection_reset_is_retried_like_any_transient_error(fake_tpu):
     fake.faults = [("DELETE", NODE, RESET)]
     assert provider.delete("tpupipe-r1") is True
     assert fake.nodes == {} and fake.faults == []
+
+
+def test_a_zone_that_refuses_the_delete_does_not_shield_the_slice_in_another(fake_tpu):
+    fake, host = fake_tpu
+    fake.create_errors["us-west4-a"] = [("op", 8, "no capacity")]
+    make_provider(host, zones=ZONES, provision_attempts=1).create(spec())
+    assert [zone for zone, _ in fake.nodes] == ["us-east5-b"]  # the fallback zone
+    # Teardown runs in another process: a new provider, which tries the zones in order.
+    qr = f"/v2/projects/{PROJECT}/locations/us-west4-a/queuedResources/tpupipe-r1"
+    fake.faults = [("DELETE", qr, 400)]
+
+    with pytest.raises(SliceError, match="us-west4-a") as err:
+        make_provider(host, zones=ZONES).delete("tpupipe-r1")
+    assert "'tpupipe-r1'" in str(err.value)
+    assert fake.nodes == {}  # the node in the fallback zone was deleted all the same
