@@ -149,6 +149,12 @@ class SweepConfig(_Strict):
         description="Trials of this sweep started at once, admitted or waiting for chips. "
         "Empty: all of them (the chip limit alone decides).",
     )
+    max_trials: Int = Field(
+        100,
+        ge=1,
+        description="Most trials the space may make (grid combinations × samples); a "
+        "larger space is refused before any trial runs. Raise it for a sweep that big.",
+    )
     trials_via: Literal["auto", "subflow", "deployment"] = Field(
         "auto",
         description="'subflow': trials run in this process; 'deployment': through "
@@ -160,6 +166,21 @@ class SweepConfig(_Strict):
         description="The deployment (flow name/deployment name) trials run as, with "
         "trials_via 'deployment'.",
     )
+
+    @model_validator(mode="after")
+    def _not_too_many_trials(self) -> SweepConfig:
+        # Counted, not expanded: a grid typo (a value list pasted twice, one more field)
+        # multiplies the trials, each a real training run holding real chips.
+        count = trial_count(self.space)
+        if count > self.max_trials:
+            sizes = " × ".join(f"{k} {len(v)}" for k, v in self.space.grid.items())
+            if self.space.random:
+                sizes = f"{sizes} × samples {self.space.samples}".removeprefix(" × ")
+            raise ValueError(
+                f"the space makes {count} trials ({sizes}), more than max_trials = "
+                f"{self.max_trials}: raise max_trials if you mean to run them all"
+            )
+        return self
 
     @field_validator("sweep_name")
     @classmethod
@@ -197,6 +218,12 @@ class Trial(_Strict):
     params: dict[str, Any]
     config: PipelineConfig
     chips: int
+
+
+def trial_count(space: SearchSpace) -> int:
+    """How many trials `expand_space(space)` makes, without making them."""
+    combos = math.prod(len(values) for values in space.grid.values())
+    return combos * (space.samples if space.random else 1)
 
 
 def expand_space(space: SearchSpace) -> list[dict[str, Any]]:

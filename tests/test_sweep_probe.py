@@ -56,6 +56,28 @@ def test_trials_that_would_train_the_same_config_are_refused():
     assert "trial 0" not in message
 
 
+def test_a_space_of_more_trials_than_max_trials_is_refused_before_any_runs():
+    """A grid typo multiplies the trials, each a real training run holding real chips: a
+    value list pasted 20 times over five seeds made 300 trials and the sweep ran them."""
+    from pydantic import ValidationError
+
+    from tasks.sweep_space import SweepConfig, expand_space
+
+    base = load_config(REPO / "configs/tiny.yaml")
+    space = {"grid": {"train.learning_rate": [1e-3, 2e-3, 3e-3] * 20, "seed": list(range(5))}}
+    with pytest.raises(ValidationError) as err:
+        SweepConfig(base=base, space=space)
+    message = str(err.value)
+    assert "300 trials" in message and "max_trials = 100" in message
+    assert "train.learning_rate 60 × seed 5" in message
+    draws = {"random": {"seed": {"kind": "int_uniform", "low": 0, "high": 9**9}}, "samples": 101}
+    with pytest.raises(ValidationError, match="101 trials"):
+        SweepConfig(base=base, space=draws)
+    # Asked for, it is allowed: the limit guards against mistakes, not big sweeps.
+    big = SweepConfig(base=base, space=draws, max_trials=101)
+    assert len(expand_space(big.space)) == 101
+
+
 def test_an_empty_sweep_name_means_a_new_one_as_its_description_says():
     from tasks.sweep_space import SweepConfig
 
