@@ -71,7 +71,11 @@ class SliceConfig(_Strict):
     )
     poll_interval_s: Float = Field(1.0, gt=0, description="Seconds between slice state checks.")
     heartbeat_timeout_s: Float = Field(
-        600.0, gt=0, description="A running workload silent this long is treated as failed."
+        600.0,
+        gt=0,
+        description="A running workload silent this long is treated as lost (the slice is "
+        "deleted and the attempt retried as a preemption). Keep it above the workload's "
+        "start-up and longest compile: it beats only before and after them.",
     )
     project: str | None = Field(
         None, description="gcp: project of the TPU (None: the credentials' project)."
