@@ -65,6 +65,15 @@ def load_credentials(block_name: str | None = None) -> tuple[Credentials, str | 
     try:
         credentials, project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
     except DefaultCredentialsError as e:
+        # ADC reads this file first and only: when it is missing or malformed, "run gcloud
+        # auth" would send the user the wrong way. google-auth's reason says which it is.
+        named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+        if named:
+            reason = "; ".join(str(a) for a in e.args)  # the file's problem, and its cause
+            raise CredentialsError(
+                f"GOOGLE_APPLICATION_CREDENTIALS={named} gives no credentials ({reason}): fix the "
+                "file, unset the variable to use the other ADC sources, or set credentials_block"
+            ) from e
         raise CredentialsError(
             "no Application Default Credentials: run `gcloud auth application-default "
             "login`, attach a service account, or set credentials_block"

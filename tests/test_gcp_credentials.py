@@ -1,0 +1,37 @@
+"""Credentials for the Google clients (infra/gcp/clients.py) when ADC cannot give any: the
+error says why, naming the file GOOGLE_APPLICATION_CREDENTIALS points at."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.gcp import clients
+
+
+@pytest.fixture
+def no_gcloud(tmp_path, monkeypatch):
+    """No emulator, no gcloud configuration, no metadata server to fall back on."""
+    for name in (clients.TPU_EMULATOR_HOST, clients.STORAGE_EMULATOR_HOST):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # nothing listens: refused
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    return tmp_path
+
+
+def test_no_adc_at_all_says_how_to_get_some(no_gcloud):
+    with pytest.raises(clients.CredentialsError, match="gcloud auth application-default login"):
+        clients.storage_client()
+
+
+@pytest.mark.parametrize("content", [None, '{"type": "service_account"}'], ids=["gone", "bad"])
+def test_a_bad_google_application_credentials_file_is_named(no_gcloud, monkeypatch, content):
+    key = no_gcloud / "key.json"
+    if content is not None:
+        key.write_text(content)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+
+    with pytest.raises(clients.CredentialsError) as err:
+        clients.tpu_client()
+    assert str(key) in str(err.value) and "GOOGLE_APPLICATION_CREDENTIALS" in str(err.value)
