@@ -119,10 +119,18 @@ def exit_code(storage: Any, node: tpu_v2.Node) -> int | None:
         return None
     bucket, _, prefix = uri.removeprefix("gs://").partition("/")
     records = {}
-    for blob in call(storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/"):
-        if blob.name.endswith(".json"):
-            record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
-            records[int(record["worker"])] = int(record["exit_code"])
+    try:
+        for blob in call(storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/"):
+            if blob.name.endswith(".json"):
+                record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
+                records[int(record["worker"])] = int(record["exit_code"])
+    except gexc.Forbidden as e:
+        # Not a Forbidden: the provider would take it for the TPU API's and name its role.
+        raise SliceError(
+            f"Cloud Storage refused to read the workers' exit records under {uri}: "
+            f"{e.message}. Grant the orchestrator's identity roles/storage.objectViewer "
+            f"on gs://{bucket}"
+        ) from e
     failed = [code for _, code in sorted(records.items()) if code != 0]
     if failed:
         return failed[0]  # one dead worker stalls the rest in their collectives

@@ -4,6 +4,7 @@ errors on any call, create operations that fail, permanent errors on a create.""
 from __future__ import annotations
 
 import pytest
+from google.api_core import exceptions as gexc
 
 from infra.slices.base import ProvisioningError, SliceError, SliceState
 from tests.emulator.test_tpu_provider import PROJECT, FakeClock, make_provider, spec
@@ -96,3 +97,19 @@ def test_a_zone_that_refuses_the_delete_does_not_shield_the_slice_in_another(fak
         make_provider(host, zones=ZONES).delete("tpupipe-r1")
     assert "'tpupipe-r1'" in str(err.value)
     assert fake.nodes == {}  # the node in the fallback zone was deleted all the same
+
+
+def test_a_refused_read_of_the_exit_records_names_cloud_storage_not_the_tpu_api(fake_tpu):
+    class DeniedStorage:
+        def list_blobs(self, bucket, prefix=None, retry=None):
+            raise gexc.Forbidden("storage.objects.list denied on bucket 'bucket'")
+
+    _fake, host = fake_tpu
+    provider = make_provider(host, storage=DeniedStorage())
+    provider.create(spec())
+
+    with pytest.raises(SliceError) as err:
+        provider.status("tpupipe-r1")
+    message = str(err.value)
+    assert "gs://bucket/root/runs/r1/logs/tpupipe-r1-" in message
+    assert "storage.objects.list" in message and "roles/tpu.admin" not in message
