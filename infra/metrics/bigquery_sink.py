@@ -66,6 +66,10 @@ class SchemaError(RuntimeError):
     """A row model and its existing table disagree in a way BigQuery cannot migrate."""
 
 
+class LocationError(RuntimeError):
+    """The dataset exists in another location than the sink's jobs run in."""
+
+
 def bq_schema(model: type[TableRow]) -> list[bigquery.SchemaField]:
     """BigQuery columns of a row model's table, in field order."""
     return [
@@ -106,11 +110,20 @@ class BigQuerySink:
 
         Raises:
             SchemaError: a column's type changed (BigQuery cannot convert it in place).
+            LocationError: the dataset is in another location than `location`.
         """
         try:
             # Look first: an orchestrator granted only dataset-level roles may not create
             # datasets, and a create of an existing one would answer 403, not 409.
-            self.client.get_dataset(self.dataset, retry=RETRY)
+            existing = self.client.get_dataset(self.dataset, retry=RETRY)
+            # A job runs in one location: every load and MERGE would fail with "Not found:
+            # Dataset ... in location US" for a dataset that exists, after the whole run.
+            if (existing.location or self.location).lower() != self.location.lower():
+                raise LocationError(
+                    f"BigQuery dataset {self.dataset} is in {existing.location}, but "
+                    f"metrics.location is {self.location}: set metrics.location to "
+                    f"{existing.location}"
+                )
         except gexc.NotFound:
             ds = bigquery.Dataset(self.dataset)
             ds.location = self.location

@@ -92,3 +92,17 @@ def test_a_permanent_refusal_is_not_retried(sink, monkeypatch, fast_retry):
     with pytest.raises(gexc.Forbidden, match="Access Denied"):
         sink.land(run, steps, evals)
     assert len(faults.seen) == 1
+
+
+def test_a_dataset_in_another_location_is_named_before_anything_lands(sink):
+    from google.cloud import bigquery
+
+    existing = bigquery.Dataset(sink.dataset)
+    existing.location = "EU"
+    sink.client.create_dataset(existing)
+
+    # BigQuery runs a job where its data is: every load and MERGE of a US sink would fail
+    # with "Not found: Dataset ... was not found in location US", for a dataset that exists.
+    with pytest.raises(bigquery_sink.LocationError, match=r"is in EU.*metrics.location.*US"):
+        sink.land(*rows())
+    assert list(sink.client.list_tables(sink.dataset)) == []
