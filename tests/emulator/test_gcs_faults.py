@@ -66,3 +66,31 @@ def test_an_incomplete_dataset_in_gcs_is_refused_naming_what_is_missing(
         local_dataset(uri, str(cache))
     assert f"{uri}/{name}" in str(err.value)
     assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_an_upload_interrupted_midway_is_never_read_and_a_rerun_completes_it(
+    tmp_path, gcs_client, bucket
+):
+    from google.cloud.storage import Blob
+
+    config = tiny_config(tmp_path, "dataset.max_bytes=60000")
+    local = data.shard_dataset(config.dataset, str(tmp_path / "datasets")).dataset_dir
+    uri = f"gs://{bucket}/root/datasets/{epath.Path(local).name}"
+    real_upload, uploaded = Blob.upload_from_filename, []
+
+    def dying_upload(self, filename, *args, **kwargs):
+        if len(uploaded) == 2:
+            raise ConnectionError("the orchestrator died mid-upload")
+        uploaded.append(self.name)
+        return real_upload(self, filename, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Blob, "upload_from_filename", dying_upload)
+        with pytest.raises(ConnectionError):
+            gcs.upload_tree(gcs_client, local, uri, last=[data.MANIFEST])
+    assert not gcs.exists(gcs_client, f"{uri}/{data.MANIFEST}")  # shards, but no manifest
+    with pytest.raises(DatasetError, match=r"has no .*manifest\.json"):
+        local_dataset(uri, str(tmp_path / "cache"))
+
+    gcs.upload_tree(gcs_client, local, uri, last=[data.MANIFEST])  # the publish, run again
+    data.verify_shards(local_dataset(uri, str(tmp_path / "cache")))
