@@ -7,7 +7,8 @@
 - `WorkloadFailed`: any other exit. A bug: never retried.
 
 A status read that fails is logged and read again on the next poll: one flaky API answer
-never starts a recovery by itself.
+never starts a recovery by itself. A `SliceError` from the read is the provider saying it
+is permanent (no permission, say): it ends the watch, and the attempt fails.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infra.slices import SliceState
+from infra.slices import SliceError, SliceState
 from workloads.rundir import RunDir
 from workloads.train import PREEMPTED_EXIT
 
@@ -70,6 +71,11 @@ def watch_slice(
     while True:
         try:
             status = provider.status(name)
+        except SliceError:
+            # Typed by the provider as permanent (a permission, a refused read of the exit
+            # records): reading again cannot help, and this loop would never reach the
+            # heartbeat check below, so it would watch forever, slice and all.
+            raise
         except Exception as exc:  # a transient API error: look again, never recover on it
             log(f"reading slice {name} failed ({type(exc).__name__}: {exc}); retrying")
             sleep(settings.poll_s)

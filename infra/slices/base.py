@@ -153,7 +153,11 @@ class SliceProvider(Protocol):
         ...
 
     def status(self, name: str) -> SliceStatus:
-        """Current state of slice `name`; NOT_FOUND (never an exception) if there is none."""
+        """Current state of slice `name`; NOT_FOUND (never an exception) if there is none.
+
+        A transient failure may raise anything; a SliceError means reading again cannot
+        help (no permission, say), and the watcher gives up on the slice.
+        """
         ...
 
     def delete(self, name: str, grace_s: float = 5.0) -> bool:

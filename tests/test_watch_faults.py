@@ -1,0 +1,62 @@
+"""Watching a slice whose status cannot be read: a flaky read is read again, but an error
+the provider types as permanent (a SliceError: a permission, a refused read) ends the
+watch instead of looping on it forever, past the workload's end and the heartbeat check."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.slices import SliceError, SliceState, SliceStatus
+from infra.slices.gcp_api import TpuPermissionError
+from tasks.watch import WatchSettings, watch_slice
+
+
+class RunDirStub:
+    def read_status(self) -> dict:
+        return {}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.now > 1e5:
+            raise AssertionError("still watching after a day of polls")
+
+
+class Provider:
+    """Raises `errors` in turn (the last one for good with `forever`), then has exited."""
+
+    def __init__(self, errors: list[Exception], forever: bool = False) -> None:
+        self.errors, self.forever = list(errors), forever
+
+    def status(self, name: str) -> SliceStatus:
+        if self.errors:
+            raise self.errors[0] if self.forever else self.errors.pop(0)
+        return SliceStatus(name, SliceState.TERMINATED, 0)
+
+
+def watch(provider: Provider) -> object:
+    clock = Clock()
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=60)
+    return watch_slice(
+        provider, "s", RunDirStub(), settings, lambda m: None, None, clock, clock.sleep
+    )
+
+
+def test_a_flaky_status_read_is_read_again():
+    assert watch(Provider([ConnectionError("reset"), RuntimeError("503")])).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [TpuPermissionError("the Cloud TPU API refused to read TPUs"), SliceError("403 on gs://b")],
+)
+def test_a_permanent_status_error_ends_the_watch(error):
+    with pytest.raises(SliceError, match=str(error)):
+        watch(Provider([error], forever=True))
