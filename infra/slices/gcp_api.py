@@ -86,7 +86,8 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def wait_op(op: Any, poll_s: float, timeout_s: float) -> Any:
     """A long-running operation's result, polled every `poll_s` (backing off to 30 s);
-    its error is raised as an API error."""
+    its error is raised as an API error. Each poll is retried on TRANSIENT errors: the
+    operations client's own default retries a 503 only, not a 429, a 500 or a reset."""
     polling = gretry.Retry(
         predicate=POLLING_PREDICATE,
         initial=poll_s,
@@ -94,7 +95,7 @@ def wait_op(op: Any, poll_s: float, timeout_s: float) -> Any:
         multiplier=1.5,
         timeout=timeout_s,
     )
-    return op.result(polling=polling)
+    return op.result(polling=polling, retry=TRANSIENT)
 
 
 def spot_request(parent: str, name: str, node: tpu_v2.Node, timeout_s: float):

@@ -113,3 +113,13 @@ def test_a_refused_read_of_the_exit_records_names_cloud_storage_not_the_tpu_api(
     message = str(err.value)
     assert "gs://bucket/root/runs/r1/logs/tpupipe-r1-" in message
     assert "storage.objects.list" in message and "roles/tpu.admin" not in message
+
+
+def test_transient_errors_while_polling_an_operation_are_retried(fake_tpu):
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    fake.faults = [("GET", "/operations/op-1", RESET), ("GET", "/operations/op-1", 500)]
+    assert provider.create(spec()).state is SliceState.READY
+    fake.faults = [("GET", "/operations/op-2", 429), ("GET", "/operations/op-2", RESET)]
+    assert provider.delete("tpupipe-r1") is True
+    assert fake.nodes == {} and fake.faults == [] and fake.creates["tpupipe-r1"] == 1
