@@ -97,8 +97,7 @@ def plan_splits(
             # Both splits' sizes: documents go to eval by a hash of their key, so with
             # few documents one large one can take most of the text either way.
             sizes = ", ".join(
-                f"{name} {splits[name]['tokens']} tokens in {splits[name]['documents']} "
-                "document(s)"
+                f"{name} {splits[name]['tokens']} tokens in {splits[name]['documents']} document(s)"
                 for name in SPLITS
             )
             raise DatasetError(

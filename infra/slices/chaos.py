@@ -67,9 +67,7 @@ class ChaosMonkey:
         self._bump("attempts_hit")
         events = Path(run_dir) / "events.jsonl"
         seen = len(_lines(events))
-        thread = threading.Thread(
-            target=self._watch, args=(pgid, Path(run_dir), seen), daemon=True
-        )
+        thread = threading.Thread(target=self._watch, args=(pgid, Path(run_dir), seen), daemon=True)
         thread.start()
         return thread
 
