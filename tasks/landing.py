@@ -148,16 +148,15 @@ def land_failure(
 ) -> None:
     """Land the `runs` row of a run that `exc` stopped, before `exc` propagates.
 
-    For an interruption (Ctrl-C, SIGTERM, a cancellation: not an `Exception`) the row is
-    best effort: if landing fails too, that is logged and the interruption goes on, so a
-    run is never held up, nor its cause replaced, by its metrics.
+    The row is best effort: if landing fails too, that is logged and noted on `exc`, and
+    `exc` goes on, so a run's cause (a workload error, a preemption budget spent, Ctrl-C)
+    is never replaced by its metrics' error.
     """
     try:
         land_metrics(config, plan, started_at, verified, result, error=describe_error(exc))
     except Exception as landing:
-        if isinstance(exc, Exception):
-            raise
-        get_run_logger().warning("could not land the interrupted run's row: %s", landing)
+        get_run_logger().warning("could not land the failed run's row: %s", landing)
+        exc.add_note(f"(its runs row was not landed: {type(landing).__name__}: {landing})")
 
 
 @task(name="land-metrics", cache_policy=NONE)

@@ -139,8 +139,25 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        if provider.delete(plan.slice_name):
-            events.emit("deleted")
+        _delete_after(provider, plan.slice_name, events, logger)
+
+
+def _delete_after(provider, name: str, events: EventLog, logger) -> None:
+    """Delete the attempt's slice; a failed delete is logged, never raised.
+
+    Raised from this `finally`, it would replace the attempt's own outcome: a preemption
+    would fail the run instead of being retried, a finished training would fail. Nothing
+    is lost by going on: the next attempt's `provision_slice` deletes a slice of this
+    name before creating one, and the flow's `teardown_slice` deletes it again, failing
+    the run loudly if it still cannot.
+    """
+    try:
+        deleted = provider.delete(name)
+    except Exception as exc:  # see the docstring
+        logger.warning("could not delete slice %s after the attempt (tried again): %s", name, exc)
+        return
+    if deleted:
+        events.emit("deleted")
 
 
 def train_with_retries(config: PipelineConfig) -> Task:

@@ -1,0 +1,70 @@
+"""A failure while cleaning up never replaces what stopped the run: a slice delete that
+fails after a preempted attempt, a failed run's row that cannot be landed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import processes_mentioning, tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_failed_delete_after_a_preemption_does_not_replace_it(
+    tmp_path, prefect_harness, monkeypatch
+):
+    """The attempt's `finally` deleted its slice and let the delete's error propagate: a
+    preempted attempt then failed the run as a SliceError, and Prefect's retry (on
+    preemptions only) never saw the preemption."""
+    from flows.pipeline import tpu_training_pipeline
+    from infra.slices import LocalSliceProvider, SliceError
+    from tasks.watch import WorkloadPreempted
+
+    real_delete = LocalSliceProvider.delete
+    refused = []
+
+    def refuse_once_while_running(self, name, grace_s=5.0):
+        if not refused and self.status(name).state.value == "READY":
+            refused.append(name)
+            raise SliceError(f"slice {name}: delete refused (injected)")
+        return real_delete(self, name, grace_s)
+
+    monkeypatch.setattr(LocalSliceProvider, "delete", refuse_once_while_running)
+    config = tiny_config(
+        tmp_path,
+        "run_name=refused-delete",
+        "slice.heartbeat_timeout_s=0.5",  # the workload is still compiling: taken for lost
+        "resilience.heartbeat_confirm_s=0",
+        "resilience.max_preemptions=0",
+    )
+    with pytest.raises(WorkloadPreempted, match="no heartbeat"):
+        tpu_training_pipeline(config=config)
+    assert refused == ["tpupipe-refused-delete"]
+    # The flow's teardown task deleted it on its second try: nothing is left running.
+    assert list((tmp_path / "slices").glob("*.json")) == []
+    run_dir = tmp_path / "runs" / "refused-delete"
+    assert processes_mentioning(str(run_dir / "config.json")) == []
+
+
+def test_a_row_that_cannot_be_landed_does_not_replace_the_runs_error(prefect_harness, monkeypatch):
+    """Landing a failed run's row raised its own error in place of the run's."""
+    from prefect import flow
+
+    import tasks.landing as landing
+
+    def broken_sink(*args, **kwargs):
+        raise OSError("metrics.duckdb: database is locked")
+
+    monkeypatch.setattr(landing, "land_metrics", broken_sink)
+
+    @flow
+    def fails():
+        try:
+            raise RuntimeError("workload exited 1: loss is not finite")
+        except BaseException as exc:
+            landing.land_failure(None, None, None, None, None, exc)
+            raise
+
+    with pytest.raises(RuntimeError, match="loss is not finite") as err:
+        fails()
+    assert "runs row was not landed: OSError" in " ".join(err.value.__notes__)
