@@ -257,3 +257,28 @@ def test_a_crashed_host_ends_the_slice_at_once(provider, tmp_path):
     )
     assert status.exit_code == 3
     provider.delete("one-crashes", grace_s=0.5)
+
+
+class _Exited:
+    def __init__(self, code: int | None) -> None:
+        self.pid, self.returncode = 1, code
+
+
+@pytest.mark.parametrize(
+    ("codes", "reported"),
+    [
+        ([1, -9], -9),  # host 1 lost, host 0 failed in its broken collective
+        ([-6, -9], -9),  # ... or JAX aborted host 0
+        ([-6, 1], -6),  # a crash outranks the other host's error
+        ([None, -9], -9),  # reported at once, while host 0 still blocks
+        ([75, 0], 75),
+        ([0, None], None),
+    ],
+)
+def test_a_lost_host_is_reported_before_the_hosts_that_failed_because_of_it(codes, reported):
+    """The first failed code in host order was reported: with host 1 killed and host 0
+    exiting 1 from its broken collectives in the same poll, a lost host (a preemption,
+    retried) looked like a workload bug (the run failed at once)."""
+    from infra.slices.procs import HostGroup
+
+    assert HostGroup([_Exited(c) for c in codes]).returncode == reported

@@ -28,6 +28,15 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _ORDERLY_EXITS = (0, 75)
 
 
+def _cause_rank(code: int) -> int:
+    """Which of several failed hosts' exit codes says why the slice ended: a kill from
+    outside (SIGKILL, SIGTERM) first, then another signal (a crash, an abort), then a
+    plain non-zero exit."""
+    if code in (-signal.SIGKILL, -signal.SIGTERM):
+        return 0
+    return 1 if code < 0 else 2
+
+
 class HostGroup:
     """The processes of a slice's hosts, seen as one Popen-like job led by host 0."""
 
@@ -39,9 +48,12 @@ class HostGroup:
     def returncode(self) -> int | None:
         codes = [p.returncode for p in self.procs]
         # A host that crashed leaves the others blocked in collectives: report it at once.
-        failed = next((c for c in codes if c is not None and c not in _ORDERLY_EXITS), None)
-        if failed is not None:
-            return failed
+        failed = [c for c in codes if c is not None and c not in _ORDERLY_EXITS]
+        if failed:
+            # A host killed from outside (a lost host) is the cause when others failed with
+            # it (their collectives broke, JAX aborted them): reported first, it is retried
+            # as a preemption, where the others' codes would fail the run as a workload bug.
+            return min(failed, key=_cause_rank)
         if any(c is None for c in codes):
             return None
         return next((c for c in codes if c != 0), 0)
