@@ -67,16 +67,28 @@ def watch_slice(
         WorkloadFailed: the workload exited with an error.
     """
     started = clock()
-    last_step, suspect_since = None, None
+    last_step, suspect_since, failing_since = None, None, None
     while True:
         try:
             status = provider.status(name)
+            failing_since = None
         except SliceError:
             # Typed by the provider as permanent (a permission, a refused read of the exit
             # records): reading again cannot help, and this loop would never reach the
             # heartbeat check below, so it would watch forever, slice and all.
             raise
-        except Exception as exc:  # a transient API error: look again, never recover on it
+        except Exception as exc:  # maybe transient: look again, but not forever
+            if failing_since is None:
+                failing_since = clock()
+            failing = clock() - failing_since
+            if failing > settings.heartbeat_timeout_s:
+                # An untyped error that lasts (a raw 400, a bug in a provider) would
+                # otherwise be read again for good, the slice running all the while.
+                raise SliceError(
+                    f"reading slice {name} kept failing for {failing:.0f}s (longer than "
+                    f"slice.heartbeat_timeout_s = {settings.heartbeat_timeout_s:.0f}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             log(f"reading slice {name} failed ({type(exc).__name__}: {exc}); retrying")
             sleep(settings.poll_s)
             continue

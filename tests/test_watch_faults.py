@@ -1,6 +1,7 @@
 """Watching a slice whose status cannot be read: a flaky read is read again, but an error
 the provider types as permanent (a SliceError: a permission, a refused read) ends the
-watch instead of looping on it forever, past the workload's end and the heartbeat check."""
+watch instead of looping on it forever, past the workload's end and the heartbeat check,
+and so does any error that lasts longer than the heartbeat timeout."""
 
 from __future__ import annotations
 
@@ -60,3 +61,36 @@ def test_a_flaky_status_read_is_read_again():
 def test_a_permanent_status_error_ends_the_watch(error):
     with pytest.raises(SliceError, match=str(error)):
         watch(Provider([error], forever=True))
+
+
+def test_an_untyped_status_error_that_lasts_ends_the_watch_naming_it():
+    """An error the provider did not type (a raw 400 from a client library, a provider's
+    bug) was read again forever, the slice running all the while."""
+    with pytest.raises(SliceError, match=r"kept failing for 6\d\ds .*ValueError: 400 bad"):
+        watch(Provider([ValueError("400 bad field")], forever=True))
+
+
+def test_a_read_that_recovers_starts_the_count_again():
+    """Failures with a good read between them never add up to the limit."""
+    clock = Clock()
+
+    class Beating:  # the workload's heartbeat stays fresh throughout
+        def read_status(self) -> dict:
+            return {"time": clock.now, "step": 1}
+
+    class Recovers:
+        reads = 0
+
+        def status(self, name: str) -> SliceStatus:
+            self.reads += 1
+            if self.reads in (51, 102):  # 500 s of 503s, a good read, again, then the end
+                return SliceStatus(name, SliceState.READY, None)
+            if self.reads > 102:
+                return SliceStatus(name, SliceState.TERMINATED, 0)
+            raise RuntimeError("503")
+
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=60)
+    outcome = watch_slice(
+        Recovers(), "s", Beating(), settings, lambda m: None, None, clock, clock.sleep
+    )
+    assert outcome.exit_code == 0 and clock.now > 1000
