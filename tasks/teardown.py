@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from infra.slices import build_provider
+from infra.slices import PartialListError, build_provider
 from tasks.plan import MANAGED_BY, plan_run
 from workloads.config import PipelineConfig
 
@@ -58,8 +58,8 @@ def delete_flow_run_slices(flow, flow_run, state) -> None:
         TeardownError: some could not be deleted; every other one was.
     """
     provider = provider_for(_config_of(flow_run.parameters))
-    failed = []
-    for status in provider.list({"flow-run-id": str(flow_run.id)}):
+    listed, failed = listed_slices(provider, {"flow-run-id": str(flow_run.id)})
+    for status in listed:
         try:
             provider.delete(status.name)
         except Exception as e:  # the next slice must still go: the error is raised below
@@ -68,6 +68,15 @@ def delete_flow_run_slices(flow, flow_run, state) -> None:
         log.warning("flow run %s is %s: deleted slice %s", flow_run.id, state.type, status.name)
     if failed:
         raise TeardownError(failed)
+
+
+def listed_slices(provider, labels: dict[str, str]) -> tuple[list, list[tuple[str, Exception]]]:
+    """The slices carrying `labels` that could be listed, and ("listing", error) if some
+    zones could not be: the ones that could are still torn down, the error raised after."""
+    try:
+        return provider.list(labels), []
+    except PartialListError as e:
+        return e.found, [("listing", e)]
 
 
 def orphan_reason(
@@ -114,8 +123,9 @@ def reap(
     """
     now = time.time() if now is None else now
     owner_gone = getattr(provider, "owner_gone", None)
-    reaped, failed = [], []
-    for status in provider.list({"managed-by": MANAGED_BY}):
+    reaped = []
+    listed, failed = listed_slices(provider, {"managed-by": MANAGED_BY})
+    for status in listed:
         run_id = status.labels.get("flow-run-id")
         try:
             reason = orphan_reason(

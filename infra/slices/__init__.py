@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from infra.slices.base import (
+    PartialListError,
     ProvisioningError,
     SliceError,
     SliceProvider,
@@ -23,6 +24,7 @@ from infra.slices.local import LocalSliceProvider
 
 __all__ = [
     "LocalSliceProvider",
+    "PartialListError",
     "ProvisioningError",
     "SliceError",
     "SliceProvider",

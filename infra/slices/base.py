@@ -24,6 +24,15 @@ class SliceError(RuntimeError):
     """A slice operation failed (duplicate name, unsupported shape, process that won't die)."""
 
 
+class PartialListError(SliceError):
+    """Some zones (or regions) could not be listed; `found` holds the slices of the others,
+    so a caller tearing slices down can still delete those before raising."""
+
+    def __init__(self, message: str, found: list[SliceStatus]) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 class ProvisioningError(SliceError):
     """The slice could not be created (no capacity, quota, bad accelerator, spawn failure)."""
 
@@ -165,5 +174,9 @@ class SliceProvider(Protocol):
         ...
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
-        """Slices whose labels include every given pair (all slices when labels is None)."""
+        """Slices whose labels include every given pair (all slices when labels is None).
+
+        Raises:
+            PartialListError: some zones could not be listed; it holds the others' slices.
+        """
         ...

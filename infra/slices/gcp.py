@@ -32,6 +32,7 @@ from google.api_core import retry as gretry
 from google.cloud import tpu_v2
 
 from infra.slices.base import (
+    PartialListError,
     ProvisioningError,
     SliceError,
     SliceSpec,
@@ -208,10 +209,22 @@ class GcpSliceProvider:
         """Slices (nodes, and spot requests still waiting) carrying every given label."""
         wanted = (labels or {}).items()
         found: dict[str, SliceStatus] = {}
-        with self._denied("list"):
-            for zone in self.settings.zones:
-                self._list_in(zone, found)
-        return [s for _, s in sorted(found.items()) if wanted <= s.labels.items()]
+        errors: list[tuple[str, Exception]] = []
+        for zone in self.settings.zones:
+            # Each zone on its own: one that refuses the list must not hide the slices of
+            # the others from the reaper and the flow's hooks, which delete what they see.
+            try:
+                with self._denied("list"):
+                    self._list_in(zone, found)
+            except (SliceError, gexc.GoogleAPICallError, gexc.RetryError) as e:
+                errors.append((zone, e))
+        listed = [s for _, s in sorted(found.items()) if wanted <= s.labels.items()]
+        if len(errors) == len(self.settings.zones):
+            raise errors[0][1]  # nothing answered: the first zone's error says why
+        if errors:
+            failed = "; ".join(f"{zone}: {e}" for zone, e in errors)
+            raise PartialListError(f"could not list slices in {failed}", listed)
+        return listed
 
     def _list_in(self, zone: str, found: dict[str, SliceStatus]) -> None:
         # Requests too, whatever the configured capacity: a waiting spot request from an

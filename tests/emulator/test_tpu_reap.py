@@ -49,3 +49,25 @@ def test_the_crash_hook_deletes_the_rest_of_its_flow_runs_slices(fake_tpu, monke
     with pytest.raises(TeardownError, match="tpupipe-a"):
         teardown.delete_flow_run_slices(None, flow_run, SimpleNamespace(type="CRASHED"))
     assert [node for _, node in fake.nodes] == ["tpupipe-a"]
+
+
+def test_a_zone_that_refuses_the_list_does_not_hide_the_others(fake_tpu):
+    """One zone refusing the list stopped it for all: the reaper (and the flow's hooks)
+    saw no slice at all, so orphans in the zones that answered were never deleted."""
+    fake, host = fake_tpu
+    zones = ("us-west4-a", "us-central1-a")
+    provider = make_provider(host, zones=zones)
+    provider.create(spec("tpupipe-a", {**LABELS, "run-id": "a"}))
+    refused = f"/v2/projects/{PROJECT}/locations/us-west4-a/queuedResources"
+    other = make_provider(host, zones=zones[::-1])  # created in the zone that answers
+    other.create(spec("tpupipe-b", {**LABELS, "run-id": "b"}))
+
+    fake.faults = [("GET", refused, 403)]
+    with pytest.raises(TeardownError) as err:
+        reap(provider, lambda flow_run_id: "COMPLETED", now=NOW)
+    assert [name for name, _ in err.value.reaped] == ["tpupipe-b"]
+    assert "us-west4-a" in str(err.value) and "listing" in str(err.value)
+    assert [node for _, node in fake.nodes] == ["tpupipe-a"]  # in the zone not listed
+    assert reap(provider, lambda flow_run_id: "COMPLETED", now=NOW) == [
+        ("tpupipe-a", "its flow run is COMPLETED")
+    ]
