@@ -260,6 +260,9 @@ class BigQuerySink:
             create_disposition=bigquery.CreateDisposition.CREATE_IF_NEEDED,
         )
         staging = self._staging(model, scope)
+        # Dropped first: one a crash left (it lives a day) may have an older schema, which
+        # the emulator keeps through WRITE_TRUNCATE, and the MERGE then misses columns.
+        self.client.delete_table(staging, not_found_ok=True, retry=RETRY)
         job = self.client.load_table_from_file(
             io.BytesIO(data), staging, job_config=config, rewind=True, location=self.location
         )

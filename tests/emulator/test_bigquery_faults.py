@@ -106,3 +106,26 @@ def test_a_dataset_in_another_location_is_named_before_anything_lands(sink):
     with pytest.raises(bigquery_sink.LocationError, match=r"is in EU.*metrics.location.*US"):
         sink.land(*rows())
     assert list(sink.client.list_tables(sink.dataset)) == []
+
+
+def test_a_staging_table_a_crash_left_with_an_older_schema_is_replaced(sink):
+    """A landing that crashed after its load leaves its staging table for a day; a later
+    landing of the run, after the row model gained a column, loaded into it with WRITE_TRUNCATE
+    but kept its old schema on the emulator, and the MERGE then failed on the new column."""
+    from google.cloud import bigquery
+
+    from infra.metrics import StepMetricRow as StepRow
+
+    sink.ensure_tables()
+    old_schema = [f for f in bigquery_sink.bq_schema(StepRow) if f.name in ("run_id", "step")]
+    sink.client.create_table(bigquery.Table(sink._staging(StepRow, "r1"), schema=old_schema))
+    run, steps, evals = rows()
+
+    sink.land(run, steps, evals)
+
+    assert count(sink, "step_metrics", "r1") == 5
+    ((loss,),) = sink.query(
+        f"SELECT loss FROM `{sink.dataset}.step_metrics` WHERE run_id = @run_id AND step = 1",
+        "r1",
+    )
+    assert loss is not None
