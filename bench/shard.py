@@ -1,7 +1,7 @@
 """Benchmark of dataset sharding and the input pipeline, each figure a ratio measured side by
 side in one run.
 
-    .venv/bin/python bench/shard.py [--repeats 3] [--no-train-reference] [--out FILE]
+    .venv/bin/python bench/shard.py [--repeats 3] [--settle 3] [--no-train-reference] [--out FILE]
 
 - Sharding throughput on the stdlib corpus (~31 MB of `.py` files, byte tokenizer, seq_len
   128, 4 train shards) ÷ a plain Python read-and-write of the same files (read each file,
@@ -20,7 +20,9 @@ side in one run.
   same config on 8 virtual CPU devices. Goal ≥ 20.
 
 Each timing is the best of `--repeats` runs, interleaved so a busy neighbour hurts every
-variant alike. The machine's load average is printed because the cores may be shared.
+variant alike, each after `--settle` seconds idle (see `settle`: on a VM that reports free
+memory to its host, back-to-back runs inherit each other's freed pages). The machine's load
+average, and whether its kernel reports free pages, are printed with the figures.
 """
 
 from __future__ import annotations
@@ -33,12 +35,40 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 ASSUMED_STEP_S = 0.14  # the demo's step time on this machine if it cannot be measured
+SETTLE_S = 3.0  # see `settle`
+
+
+def settle(seconds: float) -> None:
+    """Idle before a timed run, so that every variant starts from the same memory state.
+
+    This kernel reports free memory to its hypervisor (free page reporting, blocks of 8 MB
+    free for about 2 s), and writing new pages costs a fault in the host once they are
+    reported. Back to back, a run wrote into the pages its predecessor had just freed (a
+    sharding run frees its 63 MB of spill files at the end): measured here, 1-worker
+    sharding of the stdlib corpus took 0.27-0.31 s right after another run and 0.41-0.51 s
+    after 2.5 s idle (2 workers: 0.20-0.30 s and 0.23-0.33 s), so the order of the variants
+    decided the 1 -> 2 worker figure (1.30 back to back, 1.62 settled, same code). A user's
+    sharding run does not follow another one: the settled state is the representative one.
+    On a machine without page reporting the wait changes nothing.
+    """
+    time.sleep(seconds)
+
+
+def page_reporting() -> bool:
+    """Whether this kernel reports free pages to its hypervisor."""
+    try:
+        with open("/proc/cmdline") as fh:
+            cmdline = fh.read()
+    except OSError:
+        return False
+    return "page_reporting" in cmdline or os.path.exists("/sys/module/page_reporting")
 
 
 def evict(paths: list[str]) -> None:
@@ -103,7 +133,7 @@ def writer_floor(dataset_dir: str, root: Path) -> float:
     return time.perf_counter() - start
 
 
-def core_speeds(root: Path, repeats: int) -> list[float] | None:
+def core_speeds(root: Path, repeats: int, settle_s: float) -> list[float] | None:
     """Seconds of a 1-worker run pinned to each of the first two CPUs this process may use
     (best of `repeats` each, alternating), or None with fewer than two CPUs."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -114,6 +144,7 @@ def core_speeds(root: Path, repeats: int) -> list[float] | None:
         for _ in range(repeats):
             for i, cpu in enumerate(allowed[:2]):
                 os.sched_setaffinity(0, {cpu})
+                settle(settle_s)
                 best[i] = min(best[i], shard_once(1, root))
     finally:
         os.sched_setaffinity(0, allowed)
@@ -198,6 +229,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-train-reference", action="store_true")
     parser.add_argument("--out", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE_S, help="seconds to wait before each timed run"
+    )
     parser.add_argument("--train-reference", metavar="DATASET_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train_reference:
@@ -221,19 +255,24 @@ def main() -> int:
     ).dataset_dir
     machine: list[float] = []
     pair_speedups: list[float] = []
+
+    def timed(key: str, run: Callable[[], float], cold: bool = False) -> None:
+        settle(args.settle)
+        if cold:
+            evict(paths)
+        times.setdefault(key, []).append(run())
+
     for _ in range(args.repeats):
-        times.setdefault("floor", []).append(writer_floor(floor_dir, root))
-        times.setdefault("plain", []).append(plain_copy(paths, root / "plain.out"))
-        # 1 and 2 workers back to back, with the machine's own speed-up right after them.
+        timed("floor", lambda: writer_floor(floor_dir, root))
+        timed("plain", lambda: plain_copy(paths, root / "plain.out"))
+        # 1 and 2 workers one after the other, with the machine's own speed-up right after.
         for w in (1, 2):
-            times.setdefault(f"shard{w}", []).append(shard_once(w, root))
+            timed(f"shard{w}", lambda w=w: shard_once(w, root))
         pair_speedups.append(times["shard1"][-1] / times["shard2"][-1])
         machine.append(machine_speedup())
-        evict(paths)
-        times.setdefault("plain_cold", []).append(plain_copy(paths, root / "plain.out"))
-        evict(paths)
-        times.setdefault("shard2_cold", []).append(shard_once(2, root))
-    pinned = core_speeds(root, args.repeats)
+        timed("plain_cold", lambda: plain_copy(paths, root / "plain.out"), cold=True)
+        timed("shard2_cold", lambda: shard_once(2, root), cold=True)
+    pinned = core_speeds(root, args.repeats, args.settle)
     best = {k: min(v) for k, v in times.items()}
     rate = {k: mb / v for k, v in best.items()}
 
@@ -267,6 +306,8 @@ def main() -> int:
         "train_step_s": round(step_s, 4),
         "train_step_s_source": how,
         "loader_over_training": round(batches_s * step_s, 1),
+        "settle_s_before_each_run": args.settle,
+        "free_page_reporting": page_reporting(),
         "loadavg_before_after": [round(x, 2) for x in (*load_before[:1], os.getloadavg()[0])],
         "repeats": args.repeats,
     }
