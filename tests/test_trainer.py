@@ -110,3 +110,25 @@ def test_non_finite_loss_stops_with_a_clear_error():
         window = MetricsWindow(lr_schedule(TRAIN), 1e6, 1e9)
         window.pending = pending
         window.flush()
+
+
+class _Step:
+    """A dispatched step's loss: records whether the loop waited for it."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def block_until_ready(self) -> _Step:
+        self.waited = True
+        return self
+
+
+def test_the_host_runs_at_most_two_steps_ahead_of_the_devices():
+    # Unbounded, a few hundred steps queued between two log steps deadlocked XLA:CPU's
+    # collectives on 8 devices (aborted after 40 s): the window waits, without fetching,
+    # for the step two before the one just dispatched.
+    window = MetricsWindow(lr_schedule(TRAIN), 1e6, 1e9)
+    losses = [_Step() for _ in range(6)]
+    for step, loss in enumerate(losses, start=1):
+        window.add(step, {"loss": loss})
+        assert [x.waited for x in losses[:step]] == [i < step - 2 for i in range(step)]
