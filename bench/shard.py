@@ -62,7 +62,8 @@ def settle(seconds: float) -> None:
 
 
 def page_reporting() -> bool:
-    """Whether this kernel reports free pages to its hypervisor."""
+    """Whether this kernel has free page reporting (booted with an option for it, or built
+    with it): whether it is active also depends on the hypervisor's balloon device."""
     try:
         with open("/proc/cmdline") as fh:
             cmdline = fh.read()
