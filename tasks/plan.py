@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from workloads.config import PipelineConfig, WorkloadConfig, training_fields
 from workloads.config_file import ConfigError
+from workloads.data import same_records
 from workloads.manifest import load_manifest
 from workloads.rundir import CONFIG, write_json_atomic
 from workloads.sources import DatasetError, SourceFile
@@ -127,7 +128,10 @@ def check_resumable(
             or None when they could not all be listed (`tpupipe validate` skips gs://).
             The same sources and options give another dataset once a file is added,
             removed or changed, or the tokenizer file is: resumed checkpoints, and the
-            data-iterator state saved in them, would then go on over other records.
+            data-iterator state saved in them, would then go on over other records. A
+            dataset an older version built from the same sources and options, whose
+            records hold the same ids (`workloads.data.same_records`), is no change: the run
+            resumes over the new one.
         files: The source files behind `fingerprint`, to name what changed.
 
     Returns:
@@ -151,7 +155,11 @@ def check_resumable(
             "choose a new run_name"
         )
     trained_on = posixpath.basename(stored.dataset_dir.rstrip("/"))
-    if fingerprint is not None and fingerprint != trained_on:
+    if (
+        fingerprint is not None
+        and fingerprint != trained_on
+        and not same_records(stored.dataset_dir, config.dataset, files or [])
+    ):
         raise ConfigError(
             f"run {plan.run_name!r} trained on dataset {trained_on} ({stored.dataset_dir}), "
             f"but its sources now give dataset {fingerprint} "

@@ -85,3 +85,40 @@ def attempt_events(
     events.append({"time": stop + 1, "event": "attempt_ended", "outcome": outcome, **orch})
     events.append({"time": stop + 2, "event": "deleted", **orch})
     return events
+
+
+def as_format_4(dataset_dir: str, out_dir: Path) -> str:
+    """A copy of a byte-tokenizer dataset as format 4 wrote it (uint16 ids, EOD stored as
+    256, no `record.eod`), in `out_dir`; returns its path. For the reader's and the resume
+    check's compatibility with datasets built before uint8 storage."""
+    import hashlib
+    import json
+
+    import numpy as np
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    from workloads.packing import writer_options
+
+    manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    assert manifest["record"]["dtype"] == "uint8", manifest["record"]
+    out_dir.mkdir(parents=True)
+    length = manifest["record"]["length"]
+    for split in ("train", "eval"):
+        for shard in manifest["splits"][split]["shards"]:
+            reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
+            records = reader.read_all()
+            reader.close()
+            path = out_dir / shard["name"]
+            writer = ArrayRecordWriter(str(path), writer_options(2 * length))
+            for r in records:
+                raw = np.frombuffer(r, dtype=np.uint8)
+                ids = raw.astype("<u2")  # widened first: 256 does not fit a uint8
+                ids[raw == 0xFF] = 256
+                writer.write(ids.tobytes())
+            writer.close()
+            shard["bytes"] = path.stat().st_size
+            shard["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest["format_version"] = 4
+    manifest["record"] = {"dtype": "uint16", "length": length, "byte_order": "little"}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    return str(out_dir)

@@ -180,3 +180,40 @@ def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
     (corpus / "2.txt").write_text("edited in place")
     with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
         check_inputs(cfg, plan_run(cfg), remote=False)  # `tpupipe validate` sees it too
+
+
+def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp_path):
+    """Format 4 stored the same records as uint16: a run started before the upgrade gets a
+    new fingerprint for the same sources, and must resume, not be refused as changed data.
+    Format 3 records could differ (BOM handling), and changed sources are still refused."""
+    import json
+
+    from tasks.prepare import check_inputs
+    from tests.helpers import as_format_4
+    from workloads import data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
+    cfg = PipelineConfig(
+        run_name="r",
+        storage={"root": str(tmp_path / "root")},
+        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
+    )
+    plan = plan_run(cfg)
+    result = data.shard_dataset(cfg.dataset, plan.datasets_root)
+    old = as_format_4(result.dataset_dir, tmp_path / "root" / "datasets" / "00000000000000v4")
+    write_workload_config(cfg, plan, old)
+    assert check_inputs(cfg, plan_run(cfg))[0].config_hash == plan.config_hash
+
+    manifest = json.loads((tmp_path / old / "manifest.json").read_text())
+    (tmp_path / old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(ConfigError, match=r"trained on dataset 00000000000000v4"):
+        check_inputs(cfg, plan_run(cfg))
+    (tmp_path / old / "manifest.json").write_text(json.dumps(manifest))
+    edited = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"seq_len": 8})})
+    assert not data.same_records(old, edited.dataset, data.resolve_sources(cfg.dataset.sources))
+    (corpus / "2.txt").write_text("edited in place")
+    with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
+        check_inputs(cfg, plan_run(cfg))

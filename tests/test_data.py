@@ -35,13 +35,20 @@ def cfg_for(corpus: Path | str, **kw) -> DatasetConfig:
 
 
 def read_records(dataset_dir: str, manifest: dict, split: str) -> np.ndarray:
-    dtype = "<u4" if manifest["record"]["dtype"] == "uint32" else "<u2"
+    """A split's records as token ids: the stored EOD (`record.eod`) read as `eod_token`."""
+    record = manifest["record"]
+    dtype = {"uint8": "u1", "uint16": "<u2", "uint32": "<u4"}[record["dtype"]]
     rows = []
     for shard in manifest["splits"][split]["shards"]:
         reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
         rows += [np.frombuffer(r, dtype=dtype) for r in reader.read_all()]
         reader.close()
-    return np.stack(rows)
+    raw = np.stack(rows)
+    ids = raw.astype(np.int64)
+    ids[raw == record.get("eod", manifest["tokenizer"]["eod_token"])] = manifest["tokenizer"][
+        "eod_token"
+    ]
+    return ids
 
 
 def files_of(directory: str) -> dict[str, bytes]:
@@ -149,7 +156,8 @@ def test_shards_hold_each_splits_stream(tmp_path):
     result = data.shard_dataset(cfg, tmp_path / "out", progress=lambda *a: calls.append(a))
     m = result.manifest
     assert not result.cached and m == data.load_manifest(result.dataset_dir)
-    assert m["record"] == {"dtype": "uint16", "length": 17, "byte_order": "little"}
+    # Byte tokens take one byte each; EOD (256) is stored as 0xFF, never a byte of UTF-8.
+    assert m["record"] == {"dtype": "uint8", "length": 17, "byte_order": "little", "eod": 255}
     assert m["tokenizer"] == {"kind": "bytes", "vocab_size": 257, "eod_token": 256}
     assert sorted(files_of(result.dataset_dir)) == [
         "eval-00000-of-00001.arrayrecord",
@@ -370,10 +378,14 @@ def test_byte_encoding_is_each_documents_bytes_then_eod_whatever_their_length(me
     from workloads import tokens
 
     rng = random.Random(mean_length)
+    chars = "ab \n\xe9\u20ac\U0001f600"  # UTF-8 sequences of 1, 2, 3 and 4 bytes
     docs = [
-        bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 2 * mean_length))) for _ in range(40)
+        "".join(rng.choice(chars) for _ in range(rng.randint(0, 2 * mean_length))).encode()
+        for _ in range(40)
     ]
-    want = [t for doc in docs for t in (*doc, EOD_TOKEN)]
+    # Stored as uint8, EOD as 0xFF: a byte no UTF-8 document holds, so it marks EOD alone.
+    want = [t for doc in docs for t in (*doc, 0xFF)]
     ids, last = tokens.encode(tokens.BYTES, docs)
-    assert ids.dtype == np.dtype("<u2") and ids.tolist() == want
+    assert ids.dtype == np.uint8 and ids.tolist() == want
+    assert int((ids == 0xFF).sum()) == len(docs)
     assert last == len(docs[-1]) + 1

@@ -47,6 +47,7 @@ from workloads.listing import resolve_sources
 from workloads.manifest import (
     FORMAT_VERSION,
     MANIFEST,
+    SAME_RECORDS_SINCE,
     SPLITS,
     TMP_PREFIX,
     load_manifest,
@@ -77,6 +78,7 @@ __all__ = [
     "load_tokenizer",
     "resolve_dataset",
     "resolve_sources",
+    "same_records",
     "shard_dataset",
     "verify_shards",
 ]
@@ -142,6 +144,34 @@ def dataset_fingerprint(
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def same_records(
+    dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]
+) -> bool:
+    """Whether the local dataset in `dataset_dir` holds the records that `cfg` over `files`
+    gives now, though its fingerprint differs: it was built from the same sources, tokenizer
+    and options by an older version whose records hold the same ids in the same order
+    (format `SAME_RECORDS_SINCE` or later; only their storage changed). A run that trained on
+    it resumes exactly over the new dataset: its data-iterator state indexes the same
+    records. False when the manifest cannot be read.
+    """
+    try:
+        m = load_manifest(dataset_dir)
+        if m["format_version"] < SAME_RECORDS_SINCE:
+            return False
+        tok = m["tokenizer"]
+        old_tokenizer = [tok["kind"], tok["vocab_size"], tok["eod_token"], tok.get("sha256")]
+        old_files = [[s["uri"], s["key"], s["size"], s["version"]] for s in m["sources"]]
+        old_options = {k: v for k, v in m["options"].items() if k != "tokenizer"}
+    except (DatasetError, OSError, KeyError, TypeError):
+        return False
+    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
+    return (
+        old_files == [[f.uri, f.key, f.size, f.version] for f in files]
+        and old_tokenizer == load_tokenizer(cfg.tokenizer).fingerprint_entry()
+        and old_options == options
+    )
 
 
 def shard_dataset(
@@ -310,7 +340,12 @@ def _manifest(
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "tokenizer": tokenizer.manifest_entry(),
-        "record": {"dtype": tokenizer.dtype, "length": cfg.seq_len + 1, "byte_order": "little"},
+        "record": {
+            "dtype": tokenizer.dtype,
+            "length": cfg.seq_len + 1,
+            "byte_order": "little",
+            "eod": tokenizer.stored_eod,
+        },
         "seq_len": cfg.seq_len,
         "splits": split_entries(splits, cfg.seq_len),
         "sources": [

@@ -19,7 +19,7 @@ import grain
 import numpy as np
 
 from workloads.dataset_cache import local_dataset
-from workloads.manifest import load_manifest, record_dtype, shard_paths
+from workloads.manifest import load_manifest, record_dtype, shard_paths, stored_eod
 from workloads.sources import DatasetError
 
 
@@ -113,11 +113,19 @@ def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict
 
 
 def _stack(manifest: dict) -> Any:
+    """`stack(records)`: a batch of records as token ids, shape (batch, record length); the
+    stored EOD (0xFF in uint8 records) is given back as the tokenizer's EOD id."""
     dtype, record_len = record_dtype(manifest), manifest["record"]["length"]
+    stored, eod = stored_eod(manifest), manifest["tokenizer"]["eod_token"]
 
     def stack(records: Sequence[bytes]) -> np.ndarray:
         # One frombuffer per batch rather than per record; a wrong length fails reshape.
-        return np.frombuffer(b"".join(records), dtype=dtype).reshape(-1, record_len)
+        raw = np.frombuffer(b"".join(records), dtype=dtype).reshape(-1, record_len)
+        if stored == eod:
+            return raw
+        ids = raw.astype(np.uint16)
+        ids[raw == stored] = eod
+        return ids
 
     return stack
 

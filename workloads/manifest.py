@@ -18,9 +18,15 @@ from workloads.sources import DatasetError
 
 MANIFEST = "manifest.json"
 # 3: ArrayRecord chunks of several records (packing.writer_options); 4: a leading UTF-8 BOM
-# is no longer text and Parquet strings are checked, so a dataset built before is redone.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 (uint16, byte tokenizer) has every field readers use
+# is no longer text and Parquet strings are checked, so a dataset built before is redone;
+# 5: the byte tokenizer's ids stored as uint8, EOD as 0xFF (`record.eod`; see workloads.tokens).
+FORMAT_VERSION = 5
+# Version 1 (uint16, byte tokenizer) has every field readers use; before 5, `record` has no
+# `eod` and the stored EOD is the tokenizer's.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# From this version on, the same sources and options give the same token ids in the same
+# records (5 changed only how ids are stored): a run may resume over either (`same_records`).
+SAME_RECORDS_SINCE = 4
 TMP_PREFIX = ".tmp-"
 SPLITS = ("train", "eval")
 
@@ -48,18 +54,25 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
             for shard in manifest["splits"][split]["shards"]:
                 _ = shard["name"], shard["records"], shard["sha256"]
         _ = manifest["seq_len"], manifest["tokenizer"]["eod_token"]
-        record_dtype(manifest)
+        if not 0 <= stored_eod(manifest) <= np.iinfo(record_dtype(manifest)).max:
+            raise ValueError(f"record eod {stored_eod(manifest)} does not fit its dtype")
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
     return manifest
 
 
 def record_dtype(manifest: dict) -> np.dtype:
-    """The stored token type: little-endian uint16 or uint32, as the manifest says."""
+    """The stored token type: uint8, or little-endian uint16 or uint32, as the manifest says."""
     name = manifest["record"]["dtype"]
-    if name not in ("uint16", "uint32"):
-        raise ValueError(f"record dtype {name!r} is not uint16 or uint32")
+    if name not in ("uint8", "uint16", "uint32"):
+        raise ValueError(f"record dtype {name!r} is not uint8, uint16 or uint32")
     return np.dtype(name).newbyteorder("<")
+
+
+def stored_eod(manifest: dict) -> int:
+    """The id the records hold for EOD (0xFF in uint8 records; readers map it back to the
+    tokenizer's `eod_token`)."""
+    return int(manifest["record"].get("eod", manifest["tokenizer"]["eod_token"]))
 
 
 def shard_paths(dataset_dir: str | os.PathLike, manifest: dict, split: str) -> list[str]:

@@ -4,8 +4,15 @@ Either way a document becomes its token ids followed by one end-of-document (EOD
 byte tokenizer's ids are the UTF-8 bytes (0..255) and EOD is 256. A `tokenizer.json` is
 read from the given path only (never fetched from a hub); its EOD is one new id after its
 whole vocabulary (added tokens included), so no id the tokenizer emits is ever mistaken for
-a document boundary. Token ids are stored as uint16 while the vocabulary (with EOD) fits,
-else uint32.
+a document boundary.
+
+Stored ids: the byte tokenizer's as uint8, its EOD (256, which a byte cannot hold) written as
+0xFF, a byte that never occurs in UTF-8 (every document reaching the tokenizer is valid UTF-8:
+`errors=strict` refuses the rest, `errors=replace` substitutes U+FFFD). Half the bytes of
+uint16: sharding on a corpus of files is bound by the bytes it writes (spill files, shards,
+their hashes), and the shards are half the size to upload, copy and read. A tokenizer file's
+ids as uint16 while the vocabulary (with EOD) fits, else uint32. Readers map the stored EOD
+back to `eod_token` (`workloads.input`), so the model sees the same ids either way.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ class TokenizerSpec:
         kind: "bytes" or "huggingface".
         vocab_size: Ids in use, EOD included (the model's embedding rows before padding).
         eod_token: The end-of-document id.
-        dtype: "uint16" or "uint32", the stored token type.
+        dtype: "uint8" (bytes only), "uint16" or "uint32", the stored token type.
         path: The tokenizer file (huggingface only).
         sha256: sha256 of the tokenizer file (huggingface only): what the fingerprint
             covers, and what every worker checks the file it loads against.
@@ -54,6 +61,11 @@ class TokenizerSpec:
     dtype: str
     path: str | None = None
     sha256: str | None = None
+
+    @property
+    def stored_eod(self) -> int:
+        """The id written for EOD: `eod_token`, or 0xFF where ids are stored as uint8."""
+        return STORED_BYTE_EOD if self.dtype == "uint8" else self.eod_token
 
     def manifest_entry(self) -> dict:
         """What `manifest.json` records under `tokenizer`."""
@@ -67,7 +79,8 @@ class TokenizerSpec:
         return [self.kind, self.vocab_size, self.eod_token, self.sha256]
 
 
-BYTES = TokenizerSpec("bytes", BYTE_VOCAB_SIZE, EOD_TOKEN, "uint16")
+STORED_BYTE_EOD = 0xFF  # never a byte of UTF-8 (nor are 0xC0, 0xC1, 0xF5-0xFE)
+BYTES = TokenizerSpec("bytes", BYTE_VOCAB_SIZE, EOD_TOKEN, "uint8")
 # Average document length from which the byte tokenizer copies documents one at a time
 # rather than scattering them all at once (a numpy call per document costs ~0.6 us).
 LONG_DOCUMENT_BYTES = 512
@@ -158,7 +171,7 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     if spec.kind == "bytes" and sum(map(len, docs)) >= LONG_DOCUMENT_BYTES * len(docs):
         # Long documents (whole files): one copy each, no temporaries. 18x faster than
         # the scatter below for 17 KB files, and 8x slower for 50-byte lines.
-        eod = np.array([spec.eod_token], dtype=dtype)
+        eod = np.array([spec.stored_eod], dtype=dtype)
         parts = [part for doc in docs for part in (np.frombuffer(doc, np.uint8), eod)]
         return np.concatenate(parts, dtype=dtype), len(docs[-1]) + 1
     if spec.kind == "bytes":
@@ -187,5 +200,5 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
     is_token = np.ones(len(out), dtype=bool)
     is_token[eod_at] = False
     out[is_token] = flat
-    out[eod_at] = spec.eod_token
+    out[eod_at] = spec.stored_eod
     return out, int(lengths[-1]) + 1
