@@ -160,3 +160,37 @@ def test_non_finite_or_foreign_checkpoints_are_never_resumed(tmp_path, state, ba
     )
     assert any("NaN or Inf" in r for r in reasons)
     assert any("written by config other-config" in r for r in reasons)
+
+
+def _on_disk(run_dir) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_local_saves_delete_the_oldest_first_and_keep_the_newest(tmp_path, state):
+    mngr = checkpoint.make_manager(str(tmp_path), keep=3)
+    for step in (1, 2, 3):
+        checkpoint.save(mngr, step, state.arrays, {"next_index": step}, "h1")
+    mngr.wait_until_finished()
+    checkpoint.save(mngr, 4, state.arrays, {"next_index": 4}, "h1")
+    # Step 1 is gone before step 4 is written (its memory is what step 4 is written
+    # into); the two newest complete ones remain meanwhile.
+    assert 1 not in _on_disk(tmp_path) and {2, 3} <= set(_on_disk(tmp_path))
+    mngr.wait_until_finished()
+    assert _on_disk(tmp_path) == [2, 3, 4]
+    mngr.close()
+    resumed = checkpoint.make_manager(str(tmp_path), keep=3)  # a later attempt
+    checkpoint.save(resumed, 5, state.arrays, {"next_index": 5}, "h1")
+    resumed.wait_until_finished()
+    resumed.close()
+    assert _on_disk(tmp_path) == [3, 4, 5] and checkpoint.latest_step(str(tmp_path)) == 5
+
+
+def test_keeping_one_checkpoint_never_leaves_none_during_a_save(tmp_path, state):
+    mngr = checkpoint.make_manager(str(tmp_path), keep=1)
+    checkpoint.save(mngr, 1, state.arrays, {"next_index": 1}, "h1")
+    mngr.wait_until_finished()
+    checkpoint.save(mngr, 2, state.arrays, {"next_index": 2}, "h1")
+    assert 1 in _on_disk(tmp_path)  # deleted only once step 2 is committed
+    mngr.wait_until_finished()
+    mngr.close()
+    assert _on_disk(tmp_path) == [2]

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from workloads.retention import OldestFirstManager
 from workloads.step_metrics import NonFiniteError
 
 log = logging.getLogger(__name__)
@@ -39,13 +40,17 @@ def checkpoint_dir(run_dir: str) -> epath.Path:
 def make_manager(
     run_dir: str, keep: int = 3, async_save: bool = True, read_only: bool = False
 ) -> ocp.CheckpointManager:
-    """A CheckpointManager over the run's checkpoint directory.
+    """A CheckpointManager over the run's checkpoint directory, keeping `keep` steps.
 
     Saving cadence is decided by the training loop (every K steps, the final step and on a
-    preemption notice), so the manager saves whenever asked.
+    preemption notice), so the manager saves whenever asked. On local storage with
+    `keep >= 2` the oldest step goes just before a save (`OldestFirstManager`); on gs://,
+    where no local memory is written, and with `keep == 1`, orbax deletes it after the
+    new one commits.
     """
+    oldest_first = keep >= 2 and not read_only and "://" not in str(run_dir)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        max_to_keep=None if oldest_first else keep,
         enable_async_checkpointing=async_save,
         # Orbax's own read_only mode logs warnings on every open; not creating and not
         # cleaning is all a reader needs.
@@ -59,6 +64,10 @@ def make_manager(
         "data_iter": ocp.JsonCheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
+    if oldest_first:
+        return OldestFirstManager(
+            checkpoint_dir(run_dir), keep, options=options, item_handlers=handlers
+        )
     return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
 
 

@@ -200,7 +200,15 @@ class TrainConfig(_Strict):
     warmup_steps: Int = Field(10, ge=0, description="Linear warmup steps before cosine decay.")
     weight_decay: Float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
     checkpoint_every: Int = Field(50, ge=1, description="Save a checkpoint every K steps.")
-    keep_checkpoints: Int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    keep_checkpoints: Int = Field(
+        3,
+        ge=1,
+        description=(
+            "How many recent checkpoints to keep. On local storage the oldest goes just "
+            "before a new one is written (its memory is reused), so keep - 1 complete ones "
+            "remain meanwhile; with 1, or on gs://, it goes once the new one is committed."
+        ),
+    )
     log_every: Int = Field(10, ge=1, description="Write step metrics every N steps.")
 
     @field_validator("learning_rate", "weight_decay")

@@ -1,0 +1,41 @@
+"""Checkpoint retention that writes a new checkpoint into the memory of the one it replaces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+
+class OldestFirstManager(ocp.CheckpointManager):
+    """A CheckpointManager that keeps `keep` checkpoints by deleting the oldest just before
+    each save instead of after it, so the new checkpoint is written into the memory the old
+    one held.
+
+    Why: on a VM whose kernel reports free memory to its hypervisor (free page reporting,
+    common on cloud VMs, these machines included), memory freed for more than ~2 s faults
+    back in through the host when touched again. Orbax deleted the oldest step once the new
+    one committed, seconds before the next save, so every save wrote its whole state into
+    such pages: saving the 153 MB state of the `small` model cost 0.33-0.49 s of kernel
+    time, against 0.11-0.17 s when the oldest was deleted first (same script, runs
+    alternating). On 2 cores that kernel time is taken from training.
+
+    While a save is written, `keep - 1` committed checkpoints remain (never none: use it
+    with `keep >= 2`), and `keep` once it commits.
+    """
+
+    def __init__(self, directory: epath.PathLike, keep: int, **kwargs: Any):
+        if keep < 2:
+            raise ValueError(f"keep must be at least 2, got {keep}")
+        super().__init__(directory, **kwargs)
+        self._keep = keep
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        """Delete the oldest committed steps down to `keep - 1`, then save `step`."""
+        self.wait_until_finished()  # what save does first anyway: every step listed is done
+        steps = sorted(self.all_steps())
+        if step not in steps:  # a step saved again replaces nothing
+            for old in steps[: max(0, len(steps) - (self._keep - 1))]:
+                self.delete(old)
+        return super().save(step, *args, **kwargs)
