@@ -65,11 +65,10 @@ def test_preempted_runs_finish_with_the_uninterrupted_parameters(reference, sig,
     root, ref = reference
     rng = random.Random(f"{sig}-{trigger}")
     chaos = [f"slice.chaos.signal={sig}", "slice.chaos.times=2"]
-    chaos.append(
-        f"slice.chaos.at_step={rng.randint(3, 25)}"
-        if trigger == "at_step"
-        else "slice.chaos.during_save=true"
-    )
+    if trigger == "at_step":
+        chaos.append(f"slice.chaos.at_step={rng.randint(3, 25)}")
+    else:  # keeping 2, the oldest is deleted before the save: one complete one is left
+        chaos += ["slice.chaos.during_save=true", "train.keep_checkpoints=2"]
     run = run_flow(root, f"{sig.lower()}-{trigger.replace('_', '-')}", *chaos)
 
     assert run.status == "completed" and run.final_step == 60
