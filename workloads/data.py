@@ -252,12 +252,21 @@ def _workers(cfg: DatasetConfig, files: list[SourceFile]) -> int:
 
 
 def _complete(directory: Path) -> ShardResult | None:
-    if not (directory / MANIFEST).is_file():
-        return None
+    """The dataset already complete in `directory`, or None if it must be (re)built.
+
+    Raises:
+        DatasetError: the directory or its manifest cannot be read (say, another user's
+            run made it with mode 700): this run can neither trust nor rebuild it.
+    """
     try:
+        if not (directory / MANIFEST).is_file():
+            return None
         manifest = load_manifest(directory)
     except DatasetError:
         return None  # a corrupt manifest is rebuilt like a missing one
+    except OSError as exc:  # is_file() answers False only for a missing path
+        reason = exc.strerror or exc
+        raise DatasetError(f"cannot read the dataset directory {directory}: {reason}") from None
     if not shards_present(directory, manifest):
         return None  # a deleted or truncated shard too
     shutil.rmtree(directory / WORK_DIR, ignore_errors=True)  # killed after the manifest

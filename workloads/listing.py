@@ -200,8 +200,15 @@ def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
     try:
         with os.scandir(base) as it:
             entries = list(it)
-    except OSError:  # not a directory, or unreadable: no match, as in `glob`
+    except (FileNotFoundError, NotADirectoryError):  # `corpus/*/x` meeting a file: no match
         return []
+    except OSError as exc:
+        # `glob` skips a directory it cannot read, and its files would be left out of the
+        # dataset without a word: refused, as a walk refuses one.
+        where = os.path.normpath(base)
+        raise DatasetError(
+            f"dataset source directory {where} is not readable: {exc.strerror}"
+        ) from None
     if is_dataset_dir(base, {e.name for e in entries}):
         return []  # `corpus/*/*.arrayrecord` must not reach into a dataset either
     hidden = part.startswith(".")
