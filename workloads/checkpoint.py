@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from workloads.retention import OldestFirstManager
+from workloads.ckpt_manager import OldestFirstManager, TrainingManager
 from workloads.step_metrics import NonFiniteError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def make_manager(
         return OldestFirstManager(
             checkpoint_dir(run_dir), keep, options=options, item_handlers=handlers
         )
-    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
+    return TrainingManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
 
 
 def save(

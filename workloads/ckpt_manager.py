@@ -1,4 +1,5 @@
-"""Checkpoint retention that writes a new checkpoint into the memory of the one it replaces."""
+"""The CheckpointManagers the training loop uses: orbax's, minus its own preemption checks,
+and one that writes a new checkpoint into the memory of the one it replaces."""
 
 from __future__ import annotations
 
@@ -8,7 +9,25 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 
-class OldestFirstManager(ocp.CheckpointManager):
+class TrainingManager(ocp.CheckpointManager):
+    """Orbax's CheckpointManager, leaving the preemption sync point to the training loop.
+
+    With several hosts, JAX's preemption service stops every host at one step: one past
+    the largest number any host last passed to `reached_preemption_sync_point`. The loop
+    passes the count of this attempt's steps (`train.PreemptionNotice.stop_at`), which a
+    notice during start-up needs; orbax passed the global step on every save, and again
+    from its finalize thread. In an attempt resumed at step 14, a SIGTERM after the save
+    of step 15 then set the stop at step 14 + 16: the hosts trained on, and a 20-step run
+    finished without ever saving at the notice. The loop saves at the notice itself, so
+    orbax is told there is none (it only logs and times it).
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        """Always False: see the class docstring."""
+        return False
+
+
+class OldestFirstManager(TrainingManager):
     """A CheckpointManager that keeps `keep` checkpoints by deleting the oldest just before
     each save instead of after it, so the new checkpoint is written into the memory the old
     one held.
