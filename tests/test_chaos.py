@@ -82,6 +82,20 @@ def test_preempted_runs_finish_with_the_uninterrupted_parameters(reference, sig,
     assert 0 < run.goodput < 1 and run.lost_s >= 0
 
 
+def test_a_step_trigger_fires_however_rarely_the_run_logs(reference):
+    # The monkey reads the step from status.json; with log and checkpoint steps further
+    # apart than the run is long, it never saw step 5 and the run finished unhit, its hit
+    # counted all the same.
+    root, ref = reference
+    rare = ("train.log_every=1000", "train.checkpoint_every=1000")
+    chaos = ("slice.chaos.times=1", "slice.chaos.at_step=5", *rare)
+    run = run_flow(root, "rare-logs", *chaos)
+    assert run.status == "completed" and run.params_sha256 == ref.params_sha256
+    assert (run.attempts, run.preemptions) == (2, 1)
+    _, second = attempts_of(Path(run.run_dir))
+    assert 5 <= second[0]["resumed_from"] <= 15  # saved at the notice, soon after step 5
+
+
 def test_capacity_errors_back_off_then_succeed_with_one_slice(reference):
     root, ref = reference
     run = run_flow(root, "no-capacity", "slice.chaos.fail_creates=2", "resilience.backoff_s=0.2")

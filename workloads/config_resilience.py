@@ -20,7 +20,12 @@ class ChaosConfig(_Strict):
         "TERM", description="TERM: a preemption notice (saves, exits 75); KILL: a hard loss."
     )
     at_step: Int | None = Field(
-        None, ge=1, description="Signal once an attempt has trained this many steps."
+        None,
+        ge=1,
+        description=(
+            "Signal once an attempt has trained this many steps (the workload then writes "
+            "its heartbeat every step, where the monkey reads the step)."
+        ),
     )
     after_s: Float | None = Field(
         None, gt=0, description="Signal this many seconds after an attempt starts."
