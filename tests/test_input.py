@@ -180,3 +180,28 @@ def test_a_dataset_stored_as_uint16_by_an_older_version_reads_the_same(dataset_d
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
     assert any((b["inputs"] == EOD_TOKEN).any() for b in input.eval_batches(old, 4, 100))
+
+
+def test_a_state_resumes_only_the_same_global_batch_and_seed(dataset_dir):
+    it = input.train_iterator(dataset_dir, 4, seed=1)
+    for _ in range(3):
+        next(it)
+    saved = json.loads(json.dumps(input.iterator_state_to_json(it)))
+    assert saved["global_batch"] == 4 and saved["seed"] == 1
+    # Three batches of 4 are not three batches of 8, nor a place in another shuffle.
+    for batch, seed, key in ((8, 1, "global_batch=4"), (4, 2, "seed=1")):
+        other = input.train_iterator(dataset_dir, batch, seed=seed)
+        with pytest.raises(ValueError, match=f"saved with {key} cannot resume"):
+            input.restore_iterator_state(other, saved)
+    # Two processes of 2 read the same global batches of 4: their halves of the next one.
+    want = next(it)["inputs"]
+    halves = []
+    for index in (0, 1):
+        part = input.train_iterator(dataset_dir, 2, seed=1, shard_index=index, shard_count=2)
+        input.restore_iterator_state(part, saved)
+        halves.append(next(part)["inputs"])
+    np.testing.assert_array_equal(np.stack(halves, axis=1).reshape(want.shape), want)
+    # A state saved before the batch size and seed were recorded is taken as it is.
+    old = input.train_iterator(dataset_dir, 4, seed=1)
+    input.restore_iterator_state(old, {"next_index": saved["next_index"]})
+    np.testing.assert_array_equal(next(old)["inputs"], want)

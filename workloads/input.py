@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,22 +169,43 @@ def train_iterator(
     ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack(manifest))
     ds = ds.map(lambda raw: decode_records(raw, eod))
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
-    return iter(ds.to_iter_dataset(options))
+    it = iter(ds.to_iter_dataset(options))
+    _LAYOUTS[it] = {"global_batch": batch_size * shard_count, "seed": seed}
+    return it
 
 
 def iterator_state_to_json(it: grain.DatasetIterator) -> dict:
-    """The iterator's position as a JSON-ready dict (for orbax `JsonSave`).
+    """The iterator's position as a JSON-ready dict (for orbax `JsonSave`): grain's state
+    (a count of batches) with the global batch size and seed that give the count meaning.
 
     Raises:
         TypeError: grain returned a state JSON cannot represent.
     """
     # The round trip turns numpy scalars into ints and proves the state survives a save.
-    return json.loads(json.dumps(it.get_state(), default=_jsonable))
+    state = json.loads(json.dumps(it.get_state(), default=_jsonable))
+    return {**state, **_LAYOUTS.get(it, {})}
 
 
 def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
-    """Move a fresh iterator to a position saved by `iterator_state_to_json`."""
-    it.set_state(state)
+    """Move a fresh iterator to a position saved by `iterator_state_to_json`.
+
+    Raises:
+        ValueError: the state was saved with another global batch size or seed, where the
+            same count of batches is another place in another stream (a state saved before
+            these were recorded is taken as it is).
+    """
+    layout = _LAYOUTS.get(it, {})
+    for key, value in layout.items():
+        if key in state and state[key] != value:
+            raise ValueError(
+                f"iterator state saved with {key}={state[key]} cannot resume an iterator with "
+                f"{key}={value}: the batches it counts are not this iterator's"
+            )
+    it.set_state({k: v for k, v in state.items() if k not in layout})
+
+
+# What each train_iterator's position means: its global batch size and seed (weakly held).
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _jsonable(value: Any) -> Any:
