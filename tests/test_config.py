@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flows.cli import main as cli_main
@@ -155,10 +157,8 @@ def test_cli_validate_checks_what_the_config_points_at(tmp_path, capsys):
     assert "1 local file(s) (1 remote source(s) checked when the run starts)" in out
 
 
-def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
-    from tasks.prepare import check_inputs
-    from workloads import data
-
+def _six_document_run(tmp_path: Path) -> tuple[Path, PipelineConfig]:
+    """A corpus of six small documents and a run config sharding it into one shard."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(6):
@@ -168,6 +168,14 @@ def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
         storage={"root": str(tmp_path / "root")},
         dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
     )
+    return corpus, cfg
+
+
+def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
+    from tasks.prepare import check_inputs
+    from workloads import data
+
+    corpus, cfg = _six_document_run(tmp_path)
     plan = plan_run(cfg)
     result = data.shard_dataset(cfg.dataset, plan.datasets_root)
     write_workload_config(cfg, plan, result.dataset_dir)
@@ -192,15 +200,7 @@ def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp
     from tests.helpers import as_format_4
     from workloads import data
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
-    cfg = PipelineConfig(
-        run_name="r",
-        storage={"root": str(tmp_path / "root")},
-        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
-    )
+    corpus, cfg = _six_document_run(tmp_path)
     plan = plan_run(cfg)
     result = data.shard_dataset(cfg.dataset, plan.datasets_root)
     old = as_format_4(result.dataset_dir, tmp_path / "root" / "datasets" / "00000000000000v4")
