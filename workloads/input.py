@@ -131,6 +131,12 @@ def _stack(manifest: dict) -> Any:
     return stack
 
 
+# What each train_iterator's position means: its global batch size and seed (weakly held).
+# States carry them beside grain's own keys, which grain's set_state must not see.
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LAYOUT_KEYS = ("global_batch", "seed")
+
+
 def train_iterator(
     dataset_dir: str | os.PathLike,
     batch_size: int,
@@ -201,11 +207,7 @@ def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
                 f"iterator state saved with {key}={state[key]} cannot resume an iterator with "
                 f"{key}={value}: the batches it counts are not this iterator's"
             )
-    it.set_state({k: v for k, v in state.items() if k not in layout})
-
-
-# What each train_iterator's position means: its global batch size and seed (weakly held).
-_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    it.set_state({k: v for k, v in state.items() if k not in _LAYOUT_KEYS})
 
 
 def _jsonable(value: Any) -> Any:
