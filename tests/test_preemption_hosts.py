@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -31,6 +32,9 @@ def test_a_notice_after_a_save_stops_both_hosts_at_the_next_step(tmp_path, keep)
         )
         for i in range(2)
     ]
+    # The hosts ignore SIGTERM (JAX's preemption service takes it): a hung host is killed.
+    watchdog = threading.Timer(180, lambda: [host.kill() for host in hosts])
+    watchdog.start()
     try:
         for host in hosts:  # past gloo's own lines on stdout
             lines = (line.strip() for line in iter(host.stdout.readline, ""))
@@ -41,6 +45,7 @@ def test_a_notice_after_a_save_stops_both_hosts_at_the_next_step(tmp_path, keep)
         go.touch()
         lines = [host.communicate(timeout=60)[0].strip().splitlines()[-1] for host in hosts]
     finally:
+        watchdog.cancel()
         for host in hosts:
             host.kill()
     # One past the furthest host's step: step 16, right after the notice (it was 14 + 16
