@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
+from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
@@ -140,16 +141,19 @@ class _Reporter:
             self.events.emit(event, **fields)
 
 
-def heartbeat_interval(slice_cfg: Any) -> float:
+def heartbeat_interval(slice_cfg: SliceConfig) -> float:
     """The longest silence between heartbeats while training: a quarter of the time after
     which the orchestrator takes a silent workload for a lost one (at most a minute).
 
     0 (a beat every step) when the local slice's chaos waits for a step count
     (`slice.chaos.at_step`): it reads the step from the heartbeat, and with log steps far
     apart it signalled late, or in a run shorter than a log interval never, the attempt
-    counted as hit all the same. A beat is a small local write without a device sync.
+    counted as hit all the same. A beat is a small local write without a device sync (chaos
+    is the local provider's only: elsewhere, say to a gs:// run directory, it never beats
+    every step).
     """
-    if slice_cfg.chaos.times and slice_cfg.chaos.at_step is not None:
+    chaos = slice_cfg.chaos
+    if slice_cfg.provider == "local" and chaos.times and chaos.at_step is not None:
         return 0.0
     return min(60.0, slice_cfg.heartbeat_timeout_s / 4)
 
