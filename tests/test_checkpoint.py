@@ -18,6 +18,16 @@ from workloads.trainer import (
     place_batch,
 )
 
+# When a read of a truncated file fails (test_a_truncated_newest_checkpoint_...), orbax
+# closes its other pending reads, which then raise from a closed coroutine: how many depends
+# on timing (none run alone, 24-47 in a loaded CI run), and they are finalized whenever,
+# during that test or one after it in this module. The restore's own error is what that
+# test checks.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
 TRAIN = TrainConfig(steps=10, batch_size=8, warmup_steps=1)
 
@@ -120,11 +130,6 @@ def _restore_newest(run_dir, arrays, config_hash="h1"):
         mngr.close()
 
 
-# When a read of the truncated file fails, orbax closes its other pending reads, which then
-# raise from a closed coroutine ("Exception ignored in _read_array_index_and_device_put"):
-# how many depends on timing (none run alone, 24 in a loaded CI run). The restore's own
-# error is what the test checks.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(tmp_path, state):
     save(tmp_path, 5, state.arrays)
     save(tmp_path, 10, state.arrays)
