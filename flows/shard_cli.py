@@ -67,7 +67,12 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--num-shards", type=int)
     cmd.add_argument("--eval-fraction", type=float)
     cmd.add_argument("--max-bytes", type=int)
-    cmd.add_argument("--workers", type=int, help="worker processes (default: one per CPU)")
+    cmd.add_argument(
+        "--workers",
+        type=int,
+        help="processes that shard, this one included (default: one per CPU; this one alone "
+        "under 64 MiB)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

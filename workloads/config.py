@@ -98,8 +98,9 @@ class DatasetConfig(_Strict):
         le=256,
         exclude=True,
         description=(
-            "Worker processes for sharding; 0: one per CPU, or none beyond the calling "
-            "process for under 64 MiB of sources. Does not change the bytes."
+            "Processes that shard, the calling one included (N starts N - 1 more); 0: one "
+            "per CPU, or the calling process alone for under 64 MiB of sources. Does not "
+            "change the bytes."
         ),
     )
 

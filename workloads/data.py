@@ -8,10 +8,11 @@ work; that check is the cache (the shard task has no Prefect cache policy: see
 `tasks/prepare.py`).
 
 A run has three phases, each safe to kill:
-    1. Tokenize: source files are grouped into units of consecutive files; worker processes
-       tokenize units into spill files under `.work/` (see `workloads.packing`). A later
-       run reuses every unit a killed one finished.
-    2. Write: workers write `train-0000i-of-0000N.arrayrecord` (contiguous blocks of the
+    1. Tokenize: source files are grouped into units of consecutive files; this process
+       and its workers (`workloads.shard_pool`) tokenize units into spill files under
+       `.work/` (see `workloads.packing`). A later run reuses every unit a killed one
+       finished.
+    2. Write: they write `train-0000i-of-0000N.arrayrecord` (contiguous blocks of the
        train stream) and `eval-00000-of-00001.arrayrecord` under temporary names, each
        renamed once complete and hashed.
     3. Every shard is fsynced, then `manifest.json` is written last and atomically; then
@@ -31,13 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,10 +56,10 @@ from workloads.outdir import claimed
 from workloads.packing import (
     UnitJob,
     finished_unit,
-    init_worker,
     tokenize_unit,
     write_shard,
 )
+from workloads.shard_pool import worker_pool
 from workloads.sources import DatasetError, SourceFile, SourceStore, select_by_size
 from workloads.splits import plan_splits, plan_units, split_entries
 from workloads.tokens import TokenizerSpec, load_tokenizer
@@ -184,10 +181,11 @@ def shard_dataset(
     """Build (or find) the sharded dataset for `cfg` under `out_root/<fingerprint>/`.
 
     Args:
-        cfg: Sources, format, tokenizer and packing options; `cfg.workers` processes (0:
-            one per CPU, or none beyond this one for a corpus under 64 MiB). With more
-            than one, a script calling this needs the `if __name__ == "__main__":` guard:
-            workers start from a forkserver, which imports the main module.
+        cfg: Sources, format, tokenizer and packing options; `cfg.workers` processes,
+            this one included (0: one per CPU, or this one alone for a corpus under 64
+            MiB). With more than one, a script calling this needs the
+            `if __name__ == "__main__":` guard: workers start from a forkserver, which
+            imports the main module.
         out_root: Local directory holding one sub-directory per dataset fingerprint.
         progress: Called as `progress(stage, done, total)`: stage "tokenize" counts source
             bytes, "write" counts records.
@@ -215,7 +213,7 @@ def shard_dataset(
         work.mkdir(exist_ok=True)
         units = plan_units(files, cfg, tokenizer, str(work), store, unit_bytes)
         workers = min(_workers(cfg, files), max(len(units), cfg.num_shards + 1))
-        with _pool(workers) as run:
+        with worker_pool(workers) as run:
             metas = _tokenize(units, run, progress)
             try:
                 splits = plan_splits(units, metas, cfg, tokenizer, str(directory))
@@ -271,41 +269,6 @@ def _complete(directory: Path) -> ShardResult | None:
         return None  # a deleted or truncated shard too
     shutil.rmtree(directory / WORK_DIR, ignore_errors=True)  # killed after the manifest
     return ShardResult(str(directory), manifest, cached=True)
-
-
-@contextmanager
-def _pool(workers: int) -> Iterator[Callable]:
-    """`run(fn, jobs)` yielding results in job order: in this process for one worker, else
-    in worker processes started from a forkserver (forking the orchestrator itself, whose
-    Prefect threads may hold locks, could deadlock the child). A `ProcessPoolExecutor`, not
-    a `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
-    Workers keep the memory they free and exit with this process (`packing.init_worker`);
-    this process's allocator, the caller's, is left as it is."""
-    if workers <= 1:
-        yield lambda fn, jobs: map(fn, jobs)
-        return
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["workloads.packing"])
-    executor = ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),)
-    )
-    try:
-        yield lambda fn, jobs: executor.map(fn, jobs)
-    except DatasetError:
-        # Bad input: the caller removes the directory, so let the jobs under way end first
-        # (the queued ones are cancelled) instead of writing into it meanwhile.
-        executor.shutdown(wait=True, cancel_futures=True)
-        raise
-    except BrokenProcessPool as exc:
-        executor.shutdown(wait=False, cancel_futures=True)
-        raise RuntimeError(
-            "a sharding worker process died (out of memory?); run again: the units of work "
-            "already finished are reused"
-        ) from exc
-    except BaseException:
-        executor.shutdown(wait=False, cancel_futures=True)  # fail now, not after the queue
-        raise
-    executor.shutdown()
 
 
 def _tokenize(units: list[UnitJob], run: Callable, progress: Progress | None) -> list[dict]:

@@ -7,9 +7,11 @@ the options and sources the dataset was built from, and its fingerprint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +143,36 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, Path(dataset_dir) / MANIFEST)
     _fsync(dataset_dir)
+
+
+def start_writeback(path: str | os.PathLike) -> None:
+    """Have the kernel start writing a file's dirty pages to disk now, without waiting.
+
+    A shard's writer calls this once it is closed, so the disk writes overlap the writing
+    of the other shards, and the fsyncs before the manifest find little left to wait for
+    (stdlib corpus, 4 shards, 1 process: 0.29 -> 0.25 s). `sync_file_range` on Linux
+    (it makes nothing durable: the fsyncs still do that); a no-op elsewhere.
+    """
+    sync_file_range = _sync_file_range()
+    if sync_file_range is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _sync_file_range() -> Callable | None:
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None).sync_file_range  # the C library the process runs on
+    except (OSError, AttributeError, TypeError):
+        return None  # not Linux
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
 
 
 def _fsync(path: str | os.PathLike) -> None:

@@ -1,4 +1,4 @@
-"""The two kinds of work a sharding run hands to worker processes.
+"""The two kinds of work a sharding run spreads over its processes (`workloads.shard_pool`).
 
 1. `tokenize_unit`: read a run of consecutive source files, split their documents between
    train and eval, tokenize them and append each split's ids to a spill file in the work
@@ -21,9 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +28,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from workloads.documents import ReadOptions, iter_documents
-from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256
+from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256, start_writeback
 from workloads.sources import DatasetError, SourceFile, SourceStore, check_unchanged, open_source
 from workloads.tokens import EncodeError, TokenizerSpec, encode
 
@@ -157,71 +154,6 @@ def tokenize_unit(job: UnitJob) -> dict:
     return meta
 
 
-def init_worker(parent: int) -> None:
-    """Sharding workers' initializer: exit with the process that started the pool (pid
-    `parent`), and keep freed memory for reuse (`keep_freed_memory`)."""
-    exit_with(parent)
-    keep_freed_memory()
-
-
-def exit_with(parent: int) -> None:
-    """End this process as soon as process `parent` is gone.
-
-    Workers are children of the forkserver, not of the run, so nothing else stops them
-    when the run is killed (SIGKILL, the OOM killer, or SIGTERM's default action): they
-    went on tokenizing for minutes, holding the caller's stdout open, and renamed shards
-    under the next run of the same dataset. A pidfd wakes a watcher thread the moment the
-    parent exits; where there is none (not Linux), the thread polls once a second.
-    """
-    try:
-        fd = os.pidfd_open(parent)
-    except ProcessLookupError:
-        os._exit(1)  # already gone
-    except (AttributeError, OSError):
-        fd = None
-
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while _alive(parent):
-                time.sleep(1.0)
-        os._exit(1)  # no clean-up: the unfinished work is the next run's to redo
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def keep_freed_memory() -> None:
-    """Have glibc's malloc keep freed memory for reuse.
-
-    Each encode batch's arrays (several MB) are otherwise handed back to the kernel when
-    freed and faulted in afresh by the next batch: sharding the 31 MB stdlib corpus took
-    34,000 page faults to tokenize and 18,000 to write (5,000 and 7,000 with this), and
-    the system time they cost exceeded the tokenizing's own. Workers live for one
-    sharding run, so holding on to their peak memory costs nothing after. A no-op where
-    the C library has no `mallopt` (macOS, musl).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return
-    mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large arrays from the heap, not fresh mmaps
-    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not shrink the heap between batches
-
-
 def prefetch(files: tuple[SourceFile, ...]) -> None:
     """Ask the kernel to start reading a unit's local files now, all at once: a cold
     corpus of many small files is then read with many requests in flight instead of one
@@ -321,6 +253,7 @@ def write_shard(job: ShardJob) -> dict:
                 writer.write(row.tobytes())  # the writer takes one bytes object per record
     finally:
         writer.close()
+    start_writeback(tmp)
     digest = file_sha256(tmp)
     size = tmp.stat().st_size
     os.replace(tmp, final)

@@ -1,0 +1,241 @@
+"""The processes a sharding run spreads its work over: the calling process is one of them.
+
+With `workers = N`, the run starts N - 1 worker processes and works alongside them. The
+caller used to start N workers and wait on them, idle, while they came up (forked by a
+forkserver, each re-imports the main module: 20-35 ms here) and while they ran. On the
+31 MB stdlib corpus with 2 workers, tokenizing took as long as in one process (66-75 ms
+against 64-70 ms); now 48-56 ms, and the whole run 0.19-0.20 s against 0.22-0.24 s.
+
+Jobs go to whichever process is free (a claim counter shared by this process and a feeder
+thread that keeps each worker supplied), in order, so jobs of unequal size still balance.
+Results come back in job order whoever ran them, and the first job to fail, in job order,
+raises its error, as `executor.map` would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from typing import Any
+
+from workloads.sources import DatasetError
+
+# Jobs in flight per worker: the one it runs and one queued behind it. Handing a worker its
+# next job takes the feeder thread the GIL, which the work in this process holds up to 5 ms
+# at a time; with a job queued the worker never waits for that (timelines showed 5-10 ms
+# gaps between jobs with one in flight, though whole runs on the stdlib corpus were no
+# faster). The end may leave one process one job more than the other, as one in flight
+# also allows: a queued job cannot be taken back.
+IN_FLIGHT = 2
+
+
+@contextmanager
+def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterator]]:
+    """`run(fn, jobs)`, yielding `fn(job)` for each job in order, computed by this process
+    and `workers - 1` worker processes (none for `workers <= 1`).
+
+    Workers start from a forkserver: forking the orchestrator itself, whose Prefect threads
+    may hold locks, could deadlock the child. A `ProcessPoolExecutor`, not a
+    `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
+    Workers keep the memory they free and exit with this process (`packing.init_worker`);
+    this process's allocator, the caller's, is left as it is.
+    """
+    if workers <= 1:
+        yield lambda fn, jobs: map(fn, jobs)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["workloads.packing", "workloads.shard_pool"])
+    executor = ProcessPoolExecutor(
+        workers - 1, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),)
+    )
+    for _ in range(workers - 1):
+        # Each submission starts a worker now, from this thread, while it is idle: started
+        # from the feeder thread, competing for the GIL with the work in this thread, they
+        # came up 10 ms later (one no-op job each: a worker is started per submission).
+        executor.submit(int)
+    boards: list[_Board] = []
+
+    def run(fn: Callable, jobs: Iterable) -> Iterator:
+        board = _Board(list(jobs))
+        boards.append(board)
+        return _shared_map(executor, workers - 1, fn, board)
+
+    try:
+        yield run
+    except DatasetError:
+        # Bad input: the caller removes the directory, so let the jobs under way end first
+        # (the queued ones are cancelled) instead of writing into it meanwhile.
+        _stop(boards)
+        executor.shutdown(wait=True, cancel_futures=True)
+        raise
+    except BrokenProcessPool as exc:
+        _stop(boards)
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeError(
+            "a sharding worker process died (out of memory?); run again: the units of work "
+            "already finished are reused"
+        ) from exc
+    except BaseException:
+        _stop(boards)
+        executor.shutdown(wait=False, cancel_futures=True)  # fail now, not after the queue
+        raise
+    executor.shutdown()
+
+
+def _stop(boards: list[_Board]) -> None:
+    for board in boards:
+        board.stop()
+
+
+class _Board:
+    """The jobs of one `run` call: which is next to claim, and the results so far, as
+    (True, value) or (False, exception), by job index."""
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self._next = 0
+        self._stopped = False
+        self._cond = threading.Condition()
+
+    def claim(self) -> int | None:
+        """The next job's index, or None when none is left (or after `stop`)."""
+        with self._cond:
+            if self._stopped or self._next >= len(self.jobs):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def put(self, index: int, ok: bool, value: Any) -> None:
+        with self._cond:
+            self.results[index] = (ok, value)
+            if not ok:
+                self._stopped = True  # later jobs are not started: the run fails anyway
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait_for(self, index: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: index in self.results)
+
+
+def _shared_map(executor: Executor, children: int, fn: Callable, board: _Board) -> Iterator:
+    feeder = threading.Thread(
+        target=_feed, args=(executor, children, fn, board), name="shard-feeder", daemon=True
+    )
+    feeder.start()
+    try:
+        for index in range(len(board.jobs)):
+            while index not in board.results:
+                mine = board.claim()
+                if mine is None:
+                    board.wait_for(index)
+                    break
+                try:
+                    board.put(mine, True, fn(board.jobs[mine]))
+                except Exception as exc:  # raised in job order, below
+                    board.put(mine, False, exc)
+            ok, value = board.results.pop(index)
+            if not ok:
+                raise value
+            yield value
+    finally:
+        board.stop()  # nothing new starts; the feeder ends with the jobs it has under way
+
+
+def _feed(executor: Executor, children: int, fn: Callable, board: _Board) -> None:
+    """Keep each worker process busy with claimed jobs until none is left."""
+    running: dict = {}
+    while True:
+        while len(running) < children * IN_FLIGHT:
+            index = board.claim()
+            if index is None:
+                break
+            try:
+                running[executor.submit(fn, board.jobs[index])] = index
+            except BaseException as exc:  # a broken or shut-down pool
+                board.put(index, False, exc)
+        if not running:
+            return
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in done:
+            index = running.pop(future)
+            try:
+                board.put(index, True, future.result())
+            except BaseException as exc:  # the job's own error, BrokenProcessPool, cancelled
+                board.put(index, False, exc)
+
+
+def init_worker(parent: int) -> None:
+    """Sharding workers' initializer: exit with the process that started the pool (pid
+    `parent`), and keep freed memory for reuse (`keep_freed_memory`)."""
+    exit_with(parent)
+    keep_freed_memory()
+
+
+def exit_with(parent: int) -> None:
+    """End this process as soon as process `parent` is gone.
+
+    Workers are children of the forkserver, not of the run, so nothing else stops them
+    when the run is killed (SIGKILL, the OOM killer, or SIGTERM's default action): they
+    went on tokenizing for minutes, holding the caller's stdout open, and renamed shards
+    under the next run of the same dataset. A pidfd wakes a watcher thread the moment the
+    parent exits; where there is none (not Linux), the thread polls once a second.
+    """
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(parent):
+                time.sleep(1.0)
+        os._exit(1)  # no clean-up: the unfinished work is the next run's to redo
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for reuse.
+
+    Each encode batch's arrays (several MB) are otherwise handed back to the kernel when
+    freed and faulted in afresh by the next batch: sharding the 31 MB stdlib corpus took
+    34,000 page faults to tokenize and 18,000 to write (5,000 and 7,000 with this), and
+    the system time they cost exceeded the tokenizing's own. Workers live for one
+    sharding run, so holding on to their peak memory costs nothing after. A no-op where
+    the C library has no `mallopt` (macOS, musl).
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the process runs on
+    except (OSError, AttributeError, TypeError):
+        return
+    mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large arrays from the heap, not fresh mmaps
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not shrink the heap between batches
