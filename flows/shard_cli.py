@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
         "--workers",
         type=int,
         help="processes that shard, this one included (default: one per CPU; this one alone "
-        "under 64 MiB)",
+        "under 32 MiB)",
     )
 
 

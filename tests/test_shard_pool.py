@@ -4,6 +4,7 @@ in job order, and a failure stops the run with the first failing job's error."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -13,19 +14,48 @@ from workloads.shard_pool import worker_pool
 from workloads.sources import DatasetError
 
 
-def whose(job: int) -> tuple[int, int]:
-    time.sleep(0.02)
-    return job, os.getpid()
+def whose(job: tuple[int, str]) -> tuple[int, int]:
+    """(job number, pid), once two processes have run jobs (or after 30 s): however slowly
+    the worker starts, this process cannot run every job before it is up."""
+    index, marks = job
+    Path(marks, str(os.getpid())).touch()
+    deadline = time.monotonic() + 30
+    while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return index, os.getpid()
 
 
-def test_results_come_in_job_order_and_this_process_works_alongside_its_worker():
+def test_results_come_in_job_order_and_this_process_works_alongside_its_worker(tmp_path):
+    jobs = [(i, str(tmp_path)) for i in range(30)]
     with worker_pool(2) as run:
-        results = list(run(whose, range(30)))
+        results = list(run(whose, jobs))
     assert [job for job, _ in results] == list(range(30))  # each job once, in order
     pids = {pid for _, pid in results}
     assert os.getpid() in pids and len(pids) == 2
+
+
+def test_no_job_waits_for_a_worker_that_is_not_up():
+    # A worker still starting (its start-up no-op never finishes here) is given no job:
+    # this process runs them all and the run ends without waiting for it.
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from workloads.shard_pool import _Board, _shared_map, _Workers
+
+    with ThreadPoolExecutor(1) as executor:
+        pool = _Workers(executor, 1)
+        pool._ready = [Future()]  # never done
+        results = list(_shared_map(pool, in_thread, _Board(list(range(5)))))
+    assert results == [(i, threading.current_thread().name) for i in range(5)]
     with worker_pool(1) as run:  # one process: this one alone
-        assert {pid for _, pid in run(whose, range(3))} == {os.getpid()}
+        assert list(run(quick, range(3))) == [(i, os.getpid()) for i in range(3)]
+
+
+def quick(job: int) -> tuple[int, int]:
+    return job, os.getpid()
+
+
+def in_thread(job: int) -> tuple[int, str]:
+    return job, threading.current_thread().name
 
 
 def fails_at_3_and_5(job: tuple[int, str]) -> int:

@@ -99,7 +99,7 @@ class DatasetConfig(_Strict):
         exclude=True,
         description=(
             "Processes that shard, the calling one included (N starts N - 1 more); 0: one "
-            "per CPU, or the calling process alone for under 64 MiB of sources. Does not "
+            "per CPU, or the calling process alone for under 32 MiB of sources. Does not "
             "change the bytes."
         ),
     )

@@ -82,11 +82,13 @@ __all__ = [
 
 Progress = Callable[[str, int, int], None]  # (stage "tokenize" | "write", done, total)
 WORK_DIR = ".work"
-# With workers=0 (auto), a smaller corpus is sharded in this process: starting worker
-# processes (a forkserver importing numpy, then the workers) costs ~0.4 s, which a second
-# core pays back only from about here (fresh process, stdlib copies, 2 cores: 1 vs 2
-# workers 0.95 vs 0.97 s at 48 MB, 1.10 vs 1.09 s at 64 MB, 2.29 vs 1.58 s at 128 MB).
-AUTO_PARALLEL_BYTES = 64 << 20
+# With workers=0 (auto), a smaller corpus is sharded in this process alone. In a fresh
+# process the first worker is up only after 0.1-0.3 s (a forkserver starts and imports
+# numpy first), and this process works meanwhile, so a second core pays from about here
+# (fresh process, site-packages .py files, 2 cores, 1 vs 2 processes: 0.29-0.31 vs
+# 0.35-0.39 s at 8 MB, 0.50 vs 0.45-0.54 s at 24 MB, 0.63-0.71 vs 0.59-0.60 s at 48 MB;
+# before this process worked alongside its workers, 0.95 vs 0.97 s at 48 MB).
+AUTO_PARALLEL_BYTES = 32 << 20
 
 
 @dataclass

@@ -20,7 +20,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
@@ -55,17 +55,13 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
     executor = ProcessPoolExecutor(
         workers - 1, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),)
     )
-    for _ in range(workers - 1):
-        # Each submission starts a worker now, from this thread, while it is idle: started
-        # from the feeder thread, competing for the GIL with the work in this thread, they
-        # came up 10 ms later (one no-op job each: a worker is started per submission).
-        executor.submit(int)
+    pool = _Workers(executor, workers - 1)
     boards: list[_Board] = []
 
     def run(fn: Callable, jobs: Iterable) -> Iterator:
         board = _Board(list(jobs))
         boards.append(board)
-        return _shared_map(executor, workers - 1, fn, board)
+        return _shared_map(pool, fn, board)
 
     try:
         yield run
@@ -86,12 +82,38 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
         _stop(boards)
         executor.shutdown(wait=False, cancel_futures=True)  # fail now, not after the queue
         raise
-    executor.shutdown()
+    # Every job is done; not waiting spares a run that needed no worker the wait for one
+    # still starting. Workers exit once they read the shutdown, or with this process.
+    executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _stop(boards: list[_Board]) -> None:
     for board in boards:
         board.stop()
+
+
+class _Workers:
+    """The executor's worker processes, started by the first feeder thread (`start`).
+
+    A worker is started per submission, here a no-op whose result says the worker is up:
+    none is given a job before, so no job waits on a worker still starting (0.1-0.3 s in
+    a fresh process, where the forkserver starts too) while this process could run it.
+    Starting them blocks until the forkserver has forked them, hence a thread: this one
+    starts working meanwhile.
+    """
+
+    def __init__(self, executor: Executor, count: int):
+        self.executor = executor
+        self.count = count
+        self._ready: list[Future] | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> list[Future]:
+        """The workers' no-ops, submitted on the first call."""
+        with self._lock:
+            if self._ready is None:
+                self._ready = [self.executor.submit(int) for _ in range(self.count)]
+            return self._ready
 
 
 class _Board:
@@ -113,6 +135,10 @@ class _Board:
             self._next += 1
             return self._next - 1
 
+    def exhausted(self) -> bool:
+        """Whether no job is left to claim."""
+        return self._stopped or self._next >= len(self.jobs)
+
     def put(self, index: int, ok: bool, value: Any) -> None:
         with self._cond:
             self.results[index] = (ok, value)
@@ -130,9 +156,9 @@ class _Board:
             self._cond.wait_for(lambda: index in self.results)
 
 
-def _shared_map(executor: Executor, children: int, fn: Callable, board: _Board) -> Iterator:
+def _shared_map(pool: _Workers, fn: Callable, board: _Board) -> Iterator:
     feeder = threading.Thread(
-        target=_feed, args=(executor, children, fn, board), name="shard-feeder", daemon=True
+        target=_feed, args=(pool, fn, board), name="shard-feeder", daemon=True
     )
     feeder.start()
     try:
@@ -154,22 +180,30 @@ def _shared_map(executor: Executor, children: int, fn: Callable, board: _Board) 
         board.stop()  # nothing new starts; the feeder ends with the jobs it has under way
 
 
-def _feed(executor: Executor, children: int, fn: Callable, board: _Board) -> None:
-    """Keep each worker process busy with claimed jobs until none is left."""
+def _feed(pool: _Workers, fn: Callable, board: _Board) -> None:
+    """Keep each worker process that is up busy with claimed jobs until none is left."""
+    try:
+        ready = pool.start()
+    except RuntimeError:  # shut down before the workers were started: nothing to feed
+        return
     running: dict = {}
     while True:
-        while len(running) < children * IN_FLIGHT:
+        up = sum(f.done() for f in ready)
+        while len(running) < up * IN_FLIGHT:
             index = board.claim()
             if index is None:
                 break
             try:
-                running[executor.submit(fn, board.jobs[index])] = index
+                running[pool.executor.submit(fn, board.jobs[index])] = index
             except BaseException as exc:  # a broken or shut-down pool
                 board.put(index, False, exc)
-        if not running:
+        starting = [f for f in ready if not f.done()]
+        if not running and (board.exhausted() or not starting):
             return
-        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        done, _ = wait([*running, *starting], return_when=FIRST_COMPLETED)
         for future in done:
+            if future not in running:
+                continue  # a worker came up
             index = running.pop(future)
             try:
                 board.put(index, True, future.result())
