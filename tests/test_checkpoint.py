@@ -18,16 +18,6 @@ from workloads.trainer import (
     place_batch,
 )
 
-# When a read of a truncated file fails (test_a_truncated_newest_checkpoint_...), orbax
-# closes its other pending reads, which then raise from a closed coroutine: how many depends
-# on timing (none run alone, 24-47 in a loaded CI run), and they are finalized whenever,
-# during that test or one after it in this module. The restore's own error is what that
-# test checks.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
-
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
 TRAIN = TrainConfig(steps=10, batch_size=8, warmup_steps=1)
 
