@@ -146,8 +146,9 @@ class SweepConfig(_Strict):
     max_parallel: Int | None = Field(
         None,
         ge=1,
-        description="Trials of this sweep started at once, admitted or waiting for chips. "
-        "Empty: all of them (the chip limit alone decides).",
+        description="Trials of this sweep run at once: as many lanes, each running trials "
+        "one after another and keeping their chips between them. Empty: all of them at once "
+        "(the chip limit alone decides).",
     )
     max_trials: Int = Field(
         100,
