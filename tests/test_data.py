@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -290,6 +291,22 @@ def test_corrupt_manifest_or_shard_is_detected_and_rebuilt(tmp_path):
         data.load_manifest(result.dataset_dir)
     assert not data.shard_dataset(cfg, tmp_path / "out").cached
     assert files_of(result.dataset_dir) == good
+
+
+def test_the_manifest_lists_a_source_per_line_and_reads_back_whatever_its_names(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    names = ["plain.txt", 'quote " and }, {.txt', "new\nline.txt", "ünï.txt"]
+    for i, name in enumerate(names):
+        (corpus / name).write_text(f"document {i} " * 200)
+    result = data.shard_dataset(cfg_for(corpus, num_shards=1), tmp_path / "out")
+    text = Path(result.dataset_dir, "manifest.json").read_text()
+    assert data.load_manifest(result.dataset_dir) == result.manifest
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}"
+    first = lines.index(' "sources": [')
+    sources = lines[first + 1 : first + 1 + len(names)]
+    assert sorted(json.loads(line.rstrip(","))["key"] for line in sources) == sorted(names)
 
 
 def test_max_bytes_takes_whole_files(tmp_path):

@@ -138,11 +138,29 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
     _fsync(dataset_dir)  # the shards' renames
     tmp = Path(dataset_dir) / f"{TMP_PREFIX}{MANIFEST}"
     with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.write(manifest_text(manifest))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, Path(dataset_dir) / MANIFEST)
     _fsync(dataset_dir)
+
+
+def manifest_text(manifest: dict) -> str:
+    """The manifest as JSON with each top-level field on a line, and each item of a list
+    field (the sources) on its own: readable like `indent=1`, and written in the run's
+    serial part about 2x faster, since only JSON without indentation is encoded in C
+    (1,790 sources: 8-13 vs 15-29 ms here, on a loaded machine). Keys sorted, so the
+    bytes are deterministic."""
+    encode = json.JSONEncoder(sort_keys=True).encode
+    fields = []
+    for key in sorted(manifest):
+        value = manifest[key]
+        if isinstance(value, list) and value:
+            text = "[\n  " + ",\n  ".join(map(encode, value)) + "\n ]"
+        else:
+            text = encode(value)
+        fields.append(f" {encode(key)}: {text}")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
 def start_writeback(path: str | os.PathLike) -> None:
