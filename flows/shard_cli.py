@@ -6,8 +6,9 @@
 
 Prints the dataset directory on stdout; exits 0 when the dataset is complete (written now or
 found cached), 1 on bad input (the message names the file and line, row or offset) or an
---out that is not a writable directory, 2 on invalid options. A failed run leaves nothing
-under --out; a killed one leaves its finished work for the next run.
+--out that is not a writable directory, 2 on invalid options, 3 when a worker process died
+(out of memory?: run again). A run failed on bad input leaves nothing under --out; a killed
+one, or one whose worker died, leaves its finished work for the next run.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Imports Prefect (~2 s): only when there is work to do.
     from tasks.prepare import DatasetError, shard_corpus
+    from workloads.shard_pool import WorkerDied
 
     bars: dict[str, Any] = {}
     with Progress(
@@ -118,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             result = shard_corpus(cfg, args.out, progress=progress)
-        except DatasetError as exc:
+        except (DatasetError, WorkerDied) as exc:
             view.stop()
             print(f"sharding failed: {exc}", file=sys.stderr)
-            return 1
+            return 3 if isinstance(exc, WorkerDied) else 1
     splits = result.manifest["splits"]
     state = "found (cached)" if result.cached else "written"
     print(

@@ -104,7 +104,10 @@ def test_parquet_string_and_binary_columns_over_row_groups(tmp_path):
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        (['{"text": "ok"}', '{"text": "fine"}', '{"text": "broken'], r"a\.jsonl:3: malformed JSON"),
+        (
+            ['{"text": "ok"}', '{"text": "fine"}', '{"text": "broken'],
+            r"a\.jsonl:3: malformed JSON: Unterminated string starting at column 10$",
+        ),
         (['{"text": "ok"}', '{"body": "x"}'], r"a\.jsonl:2: no field 'text' \(fields: body\)"),
         (['{"text": 5}'], r"a\.jsonl:1: field 'text' is a number, not a string"),
         (['["text"]'], r"a\.jsonl:1: expected a JSON object, got an array"),

@@ -99,3 +99,22 @@ def test_shard_command_refuses_an_out_that_is_the_source(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"datasets directory {corpus} is dataset source '{corpus}'" in err
     assert sorted(p.name for p in corpus.iterdir()) == ["doc0.txt", "doc2.txt", "doc4.txt", "sub"]
+
+
+def test_a_worker_that_dies_exits_3_with_one_line(tmp_path, capsys, monkeypatch):
+    import os
+
+    import tasks.prepare
+    from tests.test_shard_pool import dies_in_a_worker
+    from workloads.shard_pool import worker_pool
+
+    def shard_corpus(cfg, out, progress=None):
+        with worker_pool(2) as run:
+            list(run(dies_in_a_worker, [os.getpid()] * 20))
+
+    monkeypatch.setattr(tasks.prepare, "shard_corpus", shard_corpus)
+    corpus = make_corpus(tmp_path)
+    assert main(["shard", "--source", str(corpus), "--out", str(tmp_path / "ds")]) == 3
+    err = capsys.readouterr().err
+    assert "sharding failed: a sharding worker process died (out of memory?); run again" in err
+    assert "Traceback" not in err

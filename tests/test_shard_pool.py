@@ -98,3 +98,57 @@ def test_a_worker_that_dies_fails_the_run_with_a_clear_error():
     ):
         list(run(dies_in_a_worker, [os.getpid()] * 20))
     assert time.monotonic() - start < 30  # not hanging on the dead worker's job
+
+
+INTERRUPTED_RUN = """
+import os, sys, time
+from pathlib import Path
+
+from workloads.shard_pool import worker_pool
+
+
+def job(args):
+    marks, parent = args
+    if os.getpid() != parent:  # a worker: a long unit of work
+        Path(marks, str(os.getpid())).touch()
+        time.sleep(120)
+        return
+    deadline = time.monotonic() + 30  # this process: done once the worker holds a job
+    while not os.listdir(marks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    with worker_pool(2) as run:
+        for _ in run(job, [(sys.argv[1], os.getpid())] * 6):
+            raise KeyboardInterrupt  # what Ctrl-C, or SIGTERM's SystemExit, raises mid-run
+"""
+
+
+def test_an_interrupted_run_ends_at_once_and_its_workers_with_it(tmp_path):
+    # The worker holds a 120 s job and one queued behind it: the process used to wait for
+    # both before exiting, however it was stopped.
+    import signal
+    import subprocess
+    import sys
+
+    script, marks = tmp_path / "interrupted.py", tmp_path / "marks"
+    script.write_text(INTERRUPTED_RUN)
+    marks.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(marks)], env=env, capture_output=True, timeout=60
+    )
+    assert out.returncode == -signal.SIGINT and b"KeyboardInterrupt" in out.stderr
+    (worker,) = (int(p.name) for p in marks.iterdir())
+    assert not running(worker)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (this VM's init may not reap)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status

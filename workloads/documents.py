@@ -212,7 +212,8 @@ def _jsonl(
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise DatasetError(
-                f"{place}: malformed JSON: {exc.msg} at column {exc.colno}"
+                # Some of json's messages end in "at" ("Unterminated string starting at").
+                f"{place}: malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"
             ) from None
         except ValueError as exc:  # an integer longer than int() converts (4300 digits)
             reason = str(exc).split(";")[0]  # not the advice to raise Python's limit

@@ -25,8 +25,6 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
-from workloads.sources import DatasetError
-
 # Jobs in flight per worker: the one it runs and one queued behind it. Handing a worker its
 # next job takes the feeder thread the GIL, which the work in this process holds up to 5 ms
 # at a time; with a job queued the worker never waits for that (timelines showed 5-10 ms
@@ -65,25 +63,40 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
 
     try:
         yield run
-    except DatasetError:
-        # Bad input: the caller removes the directory, so let the jobs under way end first
-        # (the queued ones are cancelled) instead of writing into it meanwhile.
+    except BaseException as exc:
+        # Bad input, a dead worker, SIGTERM's SystemExit, Ctrl-C, a cancelled flow: end
+        # now. Cancelling is not enough: the jobs a worker holds cannot be taken back, and
+        # the interpreter waits for a pool's workers at exit, so the process outlived a
+        # SIGTERM by the minutes a unit can take. Workers are gone once this returns: the
+        # caller may remove the directory they wrote in, or the next run redo their work.
         _stop(boards)
-        executor.shutdown(wait=True, cancel_futures=True)
-        raise
-    except BrokenProcessPool as exc:
-        _stop(boards)
-        executor.shutdown(wait=False, cancel_futures=True)
-        raise RuntimeError(
-            "a sharding worker process died (out of memory?); run again: the units of work "
-            "already finished are reused"
-        ) from exc
-    except BaseException:
-        _stop(boards)
-        executor.shutdown(wait=False, cancel_futures=True)  # fail now, not after the queue
+        _kill_workers(executor)
+        if isinstance(exc, BrokenProcessPool):
+            raise WorkerDied(
+                "a sharding worker process died (out of memory?); run again: the units of "
+                "work already finished are reused"
+            ) from exc
         raise
     # Every job is done; not waiting spares a run that needed no worker the wait for one
     # still starting. Workers exit once they read the shutdown, or with this process.
+    executor.shutdown(wait=False, cancel_futures=True)
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended in the middle of the run (killed, out of memory)."""
+
+
+def _kill_workers(executor: ProcessPoolExecutor) -> None:
+    """Kill the executor's worker processes, wait until they are gone, and shut it down."""
+    kill = getattr(executor, "kill_workers", None)  # Python 3.14
+    if kill is not None:
+        kill()
+    else:
+        processes = list((executor._processes or {}).values())  # no public way before 3.14
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join(timeout=5)  # gone before the caller retries in the same directory
     executor.shutdown(wait=False, cancel_futures=True)
 
 
