@@ -13,6 +13,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.pipeline import tpu_training_pipeline
 from tasks.sweep import (
+    SweepInterrupted,
     SweepPlan,
     TrialOutcome,
     launch_deployment,
@@ -54,7 +55,13 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
     plan = plan_sweep(
         config, str(runtime.flow_run.id or "") or None, deployed=bool(runtime.deployment.id)
     )
-    results = attach_landed_runs(plan, run_trials(plan, launch))
+    try:
+        results, interrupted = run_trials(plan, launch), None
+    except SweepInterrupted as exc:  # Ctrl-C, SIGTERM: record what ran, then stop
+        results, interrupted = exc.results, exc.cause
+    results = attach_landed_runs(plan, results)
     publish_leaderboard(plan, results)
     land_sweep(plan, results)
+    if interrupted is not None:
+        raise interrupted
     return summarize(plan, results)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import wait
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 from infra.metrics import RunRow, build_sink
 from tasks.plan import check_resumable, metrics_path, plan_run
 from tasks.sweep_space import SweepConfig, Trial, build_trials
+from tasks.watch import STOPPING
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 
@@ -39,6 +41,16 @@ DEPLOYMENT_POLL_S = 2.0
 
 class SweepError(RuntimeError):
     """The sweep cannot run as configured (no chip limit, a trial larger than it)."""
+
+
+class SweepInterrupted(Exception):
+    """The sweep was stopped (`cause`: Ctrl-C, SIGTERM) once its trials under way had
+    ended; `results` holds every trial's, those never started as cancelled."""
+
+    def __init__(self, results: list[TrialResult], cause: BaseException):
+        super().__init__(f"sweep interrupted: {type(cause).__name__}")
+        self.results = results
+        self.cause = cause
 
 
 class SweepPlan(BaseModel):
@@ -83,7 +95,13 @@ def new_sweep_name(now: datetime | None = None, token: str | None = None) -> str
     return f"sweep-{now:%Y%m%d-%H%M%S}-{token or secrets.token_hex(2)}"
 
 
-def ensure_chip_limit(name: str, quota: int | None, needed: int, client: Any) -> int:
+def ensure_chip_limit(
+    name: str,
+    quota: int | None,
+    needed: int,
+    client: Any,
+    warn: Callable[[str], None] | None = None,
+) -> int:
     """Make sure the global concurrency limit `name` exists and can admit a trial.
 
     Args:
@@ -92,6 +110,7 @@ def ensure_chip_limit(name: str, quota: int | None, needed: int, client: Any) ->
             existing limit unchanged.
         needed: chips of the largest trial.
         client: a synchronous Prefect client.
+        warn: told when some of the limit's chips are held already.
 
     Returns:
         The chips the limit holds.
@@ -115,6 +134,15 @@ def ensure_chip_limit(name: str, quota: int | None, needed: int, client: Any) ->
         raise SweepError(
             f"a trial needs {needed} chips but the limit {name!r} holds {limit.limit}: it "
             "would wait forever"
+        )
+    held = getattr(limit, "active_slots", 0)
+    if held and warn is not None:
+        # Prefect's temporary local API keeps slot leases in its own memory: a sweep killed
+        # there with SIGKILL leaves its chips held for good, and every later trial waits.
+        warn(
+            f"{held} of the {limit.limit} chips of limit {name!r} are held now: by sweeps "
+            "running, or left by one killed outright; if none runs, free them with "
+            f"`prefect gcl update {name} --active-slots 0`"
         )
     return limit.limit
 
@@ -148,9 +176,9 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     with get_client(sync_client=True) as client:
         if via == "deployment":
             ensure_trial_deployment(config.trial_deployment, client)
-        chips = ensure_chip_limit(
-            config.chip_limit, config.chip_quota, max(t.chips for t in trials), client
-        )
+        needed = max(t.chips for t in trials)
+        warn = get_run_logger().warning
+        chips = ensure_chip_limit(config.chip_limit, config.chip_quota, needed, client, warn)
     plan = SweepPlan(
         sweep_id=sweep_id,
         flow_run_id=flow_run_id,
@@ -199,9 +227,30 @@ def check_trials_resumable(trials: list[Trial]) -> None:
 Launcher = Callable[[Trial, SweepPlan], TrialOutcome]
 
 
+class TrialQueue:
+    """The trials no lane has taken yet, in order (lanes are threads of one process), and
+    whether the sweep still starts trials (`close`)."""
+
+    def __init__(self, trials: Iterable[Trial]):
+        self._trials = deque(trials)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def take(self) -> Trial | None:
+        """The next trial, or None when every one is taken or the queue is closed."""
+        with self._lock:
+            return self._trials.popleft() if self._trials and not self.closed else None
+
+    def close(self) -> None:
+        """Start no more trials: the sweep is stopping."""
+        with self._lock:
+            self.closed = True
+
+
 @task(name="run-trial", cache_policy=NONE, task_run_name="trial-{trial.index}")
-def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher) -> TrialResult:
-    """Wait for the trial's chips, run it with `launch`, and record how it ended.
+def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher, queue: TrialQueue) -> TrialResult:
+    """Wait for the trial's chips, run it with `launch` unless `queue` was closed
+    meanwhile, and record how it ended.
 
     Never raises for the trial's own failure: the sweep goes on and ranks what finished.
     """
@@ -209,22 +258,9 @@ def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher) -> TrialResult:
     try:
         # strict: a limit deleted since planning must stop the trial, not run it unlimited.
         with concurrency(plan.chip_limit, occupy=trial.chips, strict=True):
-            return _admitted(trial, plan, launch, asked)
+            return _admitted(trial, plan, launch, asked, queue)
     except Exception as exc:  # no admission (limit gone, API unreachable): never ran
-        return _never_ran(trial, exc, asked)
-
-
-class TrialQueue:
-    """The trials no lane has taken yet, in order (lanes are threads of one process)."""
-
-    def __init__(self, trials: Iterable[Trial]):
-        self._trials = deque(trials)
-        self._lock = threading.Lock()
-
-    def take(self) -> Trial | None:
-        """The next trial, or None when every one is taken."""
-        with self._lock:
-            return self._trials.popleft() if self._trials else None
+        return _never_ran(trial, _crashed(exc), asked)
 
 
 @task(name="run-lane", cache_policy=NONE, task_run_name="lane-{lane}")
@@ -247,10 +283,10 @@ def run_lane(lane: int, queue: TrialQueue, plan: SweepPlan, launch: Launcher) ->
                         concurrency(plan.chip_limit, occupy=trial.chips, strict=True)
                     )
                 except Exception as exc:  # no admission (limit gone, API unreachable)
-                    results.append(_never_ran(trial, exc, asked))
+                    results.append(_never_ran(trial, _crashed(exc), asked))
                     continue
                 held = trial.chips
-            results.append(_admitted(trial, plan, launch, asked))
+            results.append(_admitted(trial, plan, launch, asked, queue))
     return results
 
 
@@ -261,8 +297,13 @@ def _release(chips: ExitStack, lane: int) -> None:
         get_run_logger().warning("lane %d could not release its chips: %s", lane, exc)
 
 
-def _admitted(trial: Trial, plan: SweepPlan, launch: Launcher, asked: float) -> TrialResult:
-    """Run a trial whose chips are held and record how it ended (never raises for it)."""
+def _admitted(
+    trial: Trial, plan: SweepPlan, launch: Launcher, asked: float, queue: TrialQueue
+) -> TrialResult:
+    """Run a trial whose chips are held and record how it ended (never raises for it),
+    unless the sweep stopped while it waited for them."""
+    if queue.closed:
+        return _never_ran(trial, NOT_STARTED, asked)
     started = datetime.now(UTC)
     try:
         outcome = launch(trial, plan)
@@ -271,9 +312,14 @@ def _admitted(trial: Trial, plan: SweepPlan, launch: Launcher, asked: float) -> 
     return _result(trial, outcome, started, datetime.now(UTC), asked)
 
 
-def _never_ran(trial: Trial, exc: Exception, asked: float) -> TrialResult:
+def _never_ran(trial: Trial, outcome: TrialOutcome, asked: float) -> TrialResult:
     now = datetime.now(UTC)
-    return _result(trial, _crashed(exc), now, now, asked)
+    return _result(trial, outcome, now, now, asked)
+
+
+NOT_STARTED = TrialOutcome(
+    status="cancelled", error="not started: the sweep was interrupted (Ctrl-C or SIGTERM)"
+)
 
 
 def _result(
@@ -304,15 +350,53 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
     (6 trials of 100 tiny steps, 2 at a time: 1.1-2.3 s before trials 2-5). With one per
     trial (no `max_parallel`), every trial is submitted at once and the chip limit alone
     admits them, across every sweep that shares it.
+
+    Raises:
+        SweepInterrupted: on Ctrl-C or SIGTERM (raised in this thread), once no trial is
+            left under way: none starts after it, and the trials running stop watching
+            their slices (`tasks.watch.STOPPING`), so their pipelines delete them and fail.
+            Before, the threads went on starting and running every trial, and the sweep
+            ended minutes later with nothing recorded. A second signal stops the wait.
     """
-    if plan.max_parallel >= len(plan.trials):
-        futures = [run_trial.submit(trial, plan, launch) for trial in plan.trials]
-        results = [future.result() for future in futures]
-    else:
-        queue = TrialQueue(plan.trials)
-        lanes = [run_lane.submit(n, queue, plan, launch) for n in range(plan.max_parallel)]
-        results = [result for lane in lanes for result in lane.result()]
+    queue, stopping = TrialQueue(plan.trials), threading.Event()
+    token = STOPPING.set(stopping)  # submitted tasks run in copies of this context
+    try:
+        if plan.max_parallel >= len(plan.trials):
+            futures = [run_trial.submit(trial, plan, launch, queue) for trial in plan.trials]
+        else:
+            futures = [run_lane.submit(n, queue, plan, launch) for n in range(plan.max_parallel)]
+        try:
+            results = _gather(futures)
+        except BaseException as exc:
+            queue.close()
+            stopping.set()
+            get_run_logger().warning(
+                "sweep interrupted: no trial starts now; waiting for those under way%s "
+                "(signal again to stop waiting)",
+                " (deployed: they run to their end)" if plan.via == "deployment" else "",
+            )
+            results = _gather(futures)
+            ran, now = {r.index for r in results}, time.time()
+            results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]
+            raise SweepInterrupted(sorted(results, key=lambda r: r.index), exc) from exc
+    finally:
+        STOPPING.reset(token)
     return sorted(results, key=lambda r: r.index)
+
+
+def _gather(futures: list) -> list[TrialResult]:
+    """Every future's results (a trial's `TrialResult`, or a lane's list of them).
+
+    Waits a second at a time: a signal delivered to another thread of the process does
+    not wake a wait, and Python runs its handler only once this thread runs again.
+    """
+    while wait([f.wrapped_future for f in futures], timeout=1.0).not_done:
+        pass
+    results = []
+    for future in futures:
+        value = future.result()
+        results.extend(value if isinstance(value, list) else [value])
+    return results
 
 
 def launch_deployment(trial: Trial, plan: SweepPlan) -> TrialOutcome:
@@ -322,8 +406,9 @@ def launch_deployment(trial: Trial, plan: SweepPlan) -> TrialOutcome:
         plan.trial_deployment,
         parameters={"config": trial.config.model_dump(mode="json")},
         flow_run_name=trial.run_name,
-        # A retried trial task finds the run it created instead of starting another.
-        idempotency_key=f"{plan.sweep_id}-{trial.index}",
+        # A retried trial task finds the run it created instead of starting another; a
+        # sweep run again (another flow run) starts new runs, which resume the trials.
+        idempotency_key=f"{plan.flow_run_id or plan.sweep_id}-{trial.index}",
         poll_interval=DEPLOYMENT_POLL_S,
         tags=["sweep", plan.sweep_id],
     )

@@ -261,6 +261,9 @@ def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
         ConfigError: naming each trial, the overrides it got and what is wrong with them.
     """
     base = config.base.model_dump(mode="json")
+    fill = config.base._mesh_fill
+    if fill is not None:  # the base's -1 axis takes each trial's slice.devices into account
+        base["mesh"][fill] = -1
     trials, problems = [], []
     for index, params in enumerate(expand_space(config.space)):
         run_name = f"{sweep_id}-t{index:02d}"

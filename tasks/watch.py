@@ -14,8 +14,10 @@ is permanent (no permission, say): it ends the watch, and the attempt fails.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from infra.slices import SliceError, SliceState
@@ -29,6 +31,17 @@ class WorkloadFailed(RuntimeError):
 
 class WorkloadPreempted(RuntimeError):
     """The attempt was lost to the platform; the run resumes in a new attempt."""
+
+
+class WatchStopped(RuntimeError):
+    """The watch was told to stop (`STOPPING`): the attempt fails, never retried, and its
+    slice is deleted as after any failure."""
+
+
+# Set by a sweep being stopped (Ctrl-C, SIGTERM: see `tasks.sweep.run_trials`). Its trials
+# watch their slices in its task threads, where no signal arrives; Prefect copies the
+# context into those threads, so this reaches every watch of that sweep and no other.
+STOPPING: ContextVar[threading.Event | None] = ContextVar("tpupipe_stopping", default=None)
 
 
 @dataclass(frozen=True)
@@ -65,10 +78,15 @@ def watch_slice(
     Raises:
         WorkloadPreempted: the attempt was lost (see the module docstring).
         WorkloadFailed: the workload exited with an error.
+        WatchStopped: `STOPPING` was set.
     """
     started = clock()
     last_step, suspect_since, failing_since = None, None, None
+    stopping = STOPPING.get()
     while True:
+        if stopping is not None and stopping.is_set():
+            at = "before its first step" if last_step is None else f"at step {last_step}"
+            raise WatchStopped(f"stopped {at}: the sweep was interrupted")
         try:
             status = provider.status(name)
             failing_since = None

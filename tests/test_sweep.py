@@ -82,6 +82,25 @@ def test_trials_get_their_own_run_names_and_chip_counts(tmp_path):
     ]
 
 
+def test_a_base_mesh_axis_of_minus_one_fills_each_trials_devices(tmp_path):
+    base = tiny_config(tmp_path, "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1")
+    assert base.mesh.data == 8  # resolved for the base's own 8 devices
+    grid = {"slice.devices": [1, 2, 4]}
+    trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+    assert [(t.config.mesh.data, t.chips) for t in trials] == [(1, 1), (2, 2), (4, 4)]
+    # A trial that sets the axis itself keeps it, and a -1 the devices do not fit is named.
+    grid = {"slice.devices": [4], "mesh.data": [2], "mesh.fsdp": [2]}
+    (trial,) = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+    assert (trial.config.mesh.data, trial.config.mesh.fsdp) == (2, 2)
+    grid = {"slice.devices": [4], "mesh.fsdp": [3]}
+    with pytest.raises(ConfigError, match=r"mesh\.data = -1: slice\.devices = 4 is not divisible"):
+        build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+    # A base given with every axis set is taken as it is.
+    fixed = tiny_config(tmp_path, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
+    with pytest.raises(ConfigError, match=r"8\*1\*1 = 8 does not equal slice\.devices = 2"):
+        build_trials(SweepConfig(base=fixed, space=SearchSpace(grid={"slice.devices": [2]})), "sw")
+
+
 class FakeLimits:
     """The three client calls `ensure_chip_limit` makes, against a dict."""
 
@@ -98,7 +117,9 @@ class FakeLimits:
 
         if name not in self.limits:
             raise ObjectNotFound(http_exc=None)
-        return SimpleNamespace(limit=self.limits[name], active=True)
+        return SimpleNamespace(limit=self.limits[name], active=True, active_slots=self.held)
+
+    held = 0
 
 
 def test_chip_limit_is_created_from_the_quota_or_must_exist():
@@ -109,6 +130,16 @@ def test_chip_limit_is_created_from_the_quota_or_must_exist():
         ensure_chip_limit("missing", None, 8, client)
     with pytest.raises(SweepError, match=r"needs 32 chips .* holds 16: it would wait forever"):
         ensure_chip_limit("new", None, 32, client)
+    # Chips held already (maybe left by a sweep killed outright): said, with the way out.
+    warnings: list[str] = []
+    assert ensure_chip_limit("new", None, 8, client, warnings.append) == 16
+    assert warnings == []
+    client.held = 12
+    assert ensure_chip_limit("new", None, 8, client, warnings.append) == 16
+    assert warnings == [
+        "12 of the 16 chips of limit 'new' are held now: by sweeps running, or left by one "
+        "killed outright; if none runs, free them with `prefect gcl update new --active-slots 0`"
+    ]
 
 
 def _result(index, status="completed", loss=None, error=None):

@@ -94,3 +94,90 @@ def test_trials_a_lane_cannot_admit_are_recorded_as_never_run(tmp_path, prefect_
     results = run(plan_of(tmp_path, [8] * 3, lanes=2, limit=f"gone-{uuid.uuid4().hex[:8]}"))
     assert [r.status for r in results] == ["crashed"] * 3
     assert all(r.started_at == r.finished_at for r in results)
+
+
+def watching(trial: Trial, plan: SweepPlan) -> TrialOutcome:
+    """A trial that runs until its sweep stops it, as `watch_slice` is stopped: by the
+    event the sweep sets in `tasks.watch.STOPPING`, seen from the trial's own thread."""
+    from tasks.watch import STOPPING
+
+    STARTED.append(trial.index)
+    stopping = STOPPING.get()
+    if stopping is None or not stopping.wait(60):
+        return TrialOutcome(status="completed")  # never told: ran to its end
+    return TrialOutcome(status="failed", error="stopped watching")
+
+
+STARTED: list[int] = []
+
+
+@pytest.mark.parametrize("lanes", [2, 5])
+def test_an_interrupted_sweep_starts_no_more_trials_and_stops_those_running(
+    tmp_path, prefect_harness, lanes
+):
+    import os
+    import signal
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from tasks.watch import STOPPING
+
+    limit = f"chips-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        sweep_tasks.ensure_chip_limit(limit, 16, 8, client)
+    plan = plan_of(tmp_path, [8] * 5, lanes=lanes, limit=limit)
+    STARTED.clear()
+
+    def interrupt_once_two_run() -> None:
+        deadline = time.monotonic() + 60
+        while len(STARTED) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: any thread may receive it
+
+    @flow
+    def interrupted() -> list:
+        threading.Thread(target=interrupt_once_two_run, daemon=True).start()
+        return sweep_tasks.run_trials(plan, watching)
+
+    start = time.monotonic()
+    with pytest.raises(sweep_tasks.SweepInterrupted) as caught:
+        interrupted()
+    assert time.monotonic() - start < 45  # not the 60 s the running trials would take
+    assert isinstance(caught.value.cause, KeyboardInterrupt)
+    results = caught.value.results
+    assert [r.index for r in results] == list(range(5))  # every trial has its result
+    ran = sorted(STARTED)
+    assert len(ran) == 2  # the two running when it came; none started after
+    for r in results:
+        if r.index in ran:
+            assert (r.status, r.error) == ("failed", "stopped watching")
+        else:
+            assert r.status == "cancelled" and r.error.startswith("not started")
+    assert STOPPING.get() is None  # this thread's later watches are not stopped
+
+
+def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_sweep_run(
+    tmp_path, monkeypatch
+):
+    # The idempotency key was the sweep's name and the trial's index: a sweep of the same
+    # name run again got its old trial runs back, failed ones included, and ran nothing.
+    from types import SimpleNamespace
+
+    keys = []
+
+    def run_deployment(name, **kwargs):
+        keys.append(kwargs["idempotency_key"])
+        state = SimpleNamespace(type=SimpleNamespace(value="FAILED"), message="no capacity")
+        return SimpleNamespace(id=uuid.uuid4(), state=state)
+
+    monkeypatch.setattr(sweep_tasks, "run_deployment", run_deployment)
+    plan = plan_of(tmp_path, [8], lanes=1, limit="x")
+    trial = plan.trials[0]
+    for flow_run in ["run-1", "run-1", "run-2"]:
+        outcome = sweep_tasks.launch_deployment(
+            trial, plan.model_copy(update={"flow_run_id": flow_run})
+        )
+        assert (outcome.status, outcome.error) == ("failed", "no capacity")
+    assert keys[0] == keys[1] != keys[2]

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from workloads.config_checks import cross_field_problems
 from workloads.config_infra import (  # noqa: F401  (re-exported: the config's one home)
@@ -303,12 +303,17 @@ class PipelineConfig(_Strict):
             )
         return value
 
+    # The mesh axis given as -1, before it was resolved: a sweep varying slice.devices
+    # resolves it again per trial (`tasks.sweep_space.build_trials`).
+    _mesh_fill: str | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> PipelineConfig:
         mesh, problems = resolve_mesh(self.mesh, self.slice.devices)
         if problems:
             raise ValueError("; ".join(problems))
         if mesh is not self.mesh:
+            self._mesh_fill = next(a for a in MESH_AXES if getattr(self.mesh, a) == -1)
             self.mesh = mesh
         problems = cross_field_problems(self)
         if problems:
