@@ -94,3 +94,30 @@ def test_a_read_that_recovers_starts_the_count_again():
         Recovers(), "s", Beating(), settings, lambda m: None, None, clock, clock.sleep
     )
     assert outcome.exit_code == 0 and clock.now > 1000
+
+
+def test_a_watch_stops_once_its_sweep_is_stopping_and_only_then():
+    import threading
+
+    from tasks.watch import STOPPING, WatchStopped
+
+    stopping = threading.Event()
+    token = STOPPING.set(stopping)
+    try:
+
+        class Running:
+            polls = 0
+
+            def status(self, name: str) -> SliceStatus:
+                self.polls += 1
+                if self.polls == 3:
+                    stopping.set()  # the sweep got Ctrl-C while this trial trained
+                return SliceStatus(name, SliceState.RUNNING, None)
+
+        provider = Running()
+        with pytest.raises(WatchStopped, match="stopped before its first step: the sweep"):
+            watch(provider)
+        assert provider.polls == 3  # at the next poll, not after the workload's end
+    finally:
+        STOPPING.reset(token)
+    assert watch(Provider([])).exit_code == 0  # outside a stopping sweep: watched to the end
