@@ -367,10 +367,19 @@ def test_auto_workers_shard_small_corpora_in_this_process():
     assert data._workers(DatasetConfig(sources=["x"], workers=3), files(100)) == 3
 
 
-def faults_of_batches(batches: int) -> tuple[int, int]:
+def faults_of_batches(job: tuple[int, int, str]) -> tuple[int, int]:
     """(pid, page faults) of `batches` rounds of allocating and freeing three 8 MB arrays
-    (what an encode batch does), after one round to reach the process's peak."""
+    (what an encode batch does), after one round to reach the process's peak. The calling
+    process (`parent`) waits until a worker holds a job, however slowly it starts."""
     import resource
+    import time
+
+    batches, parent, marks = job
+    if os.getpid() != parent:
+        Path(marks, str(os.getpid())).touch()
+    deadline = time.monotonic() + 30
+    while os.getpid() == parent and not os.listdir(marks) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
     def batch() -> None:
         arrays = [np.ones(8 << 20, dtype=np.uint8) for _ in range(3)]
@@ -384,12 +393,12 @@ def faults_of_batches(batches: int) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_sharding_workers_reuse_freed_memory_instead_of_faulting_it_in_again():
+def test_sharding_workers_reuse_freed_memory_instead_of_faulting_it_in_again(tmp_path):
     # Each such round costs ~6,000 page faults in a process on glibc's defaults; a worker
     # reuses the memory. Over a corpus that was more system time than the tokenizing.
     # (This process, which works alongside its worker, keeps the caller's allocator.)
     with worker_pool(2) as run:
-        results = list(run(faults_of_batches, [5, 5, 5]))
+        results = list(run(faults_of_batches, [(5, os.getpid(), str(tmp_path))] * 3))
     in_worker = [faults for pid, faults in results if pid != os.getpid()]
     assert in_worker and all(faults < 500 for faults in in_worker)
 
