@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from prefect import flow, runtime
 
 from infra.metrics import RunRow
-from tasks.checks import evaluate_checkpoint, verify_checkpoint
+from tasks.checks import evaluate_checkpoint, finished_training, verify_checkpoint
 from tasks.landing import land_failure, land_metrics, publish_summary
 from tasks.prepare import shard_dataset, validate_config
 from tasks.run_lock import run_held
@@ -29,7 +29,8 @@ from workloads.config import PipelineConfig
 )
 def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow:  # noqa: B008
     """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
-    land, tearing the slice down whatever fails. A failed run still lands a `runs` row, one
+    land, tearing the slice down whatever fails; a run whose training finished in an
+    earlier invocation skips to evaluate. A failed run still lands a `runs` row, one
     stopped by Ctrl-C or SIGTERM too."""
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
@@ -37,11 +38,13 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
         verified = result = None
         try:
             config_path = shard_dataset(config, plan)
-            try:
-                train_with_retries(config)(config, plan, config_path)
-            finally:
-                teardown_slice(config, plan)
-            verified = verify_checkpoint(config, plan)
+            verified = finished_training(config, plan)  # a rerun of a finished run
+            if verified is None:
+                try:
+                    train_with_retries(config)(config, plan, config_path)
+                finally:
+                    teardown_slice(config, plan)
+                verified = verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
         except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row
             land_failure(config, plan, started, verified, result, exc)

@@ -31,6 +31,29 @@ def verify_checkpoint(config: PipelineConfig, plan: RunPlan) -> checkpoint.Verif
     return verified
 
 
+@task(name="find-finished-training", cache_policy=NONE)
+def finished_training(
+    config: PipelineConfig, plan: RunPlan
+) -> checkpoint.VerifiedCheckpoint | None:
+    """The final checkpoint, verified, if an earlier invocation of this run finished
+    training it: then the run provisions nothing (it used to create a slice only for the
+    workload to find the run finished, and a TPU slice costs minutes of chips to create).
+
+    None when training is not finished. A final checkpoint that fails verification is
+    quarantined and None returned: training resumes from the checkpoint before it.
+    """
+    if checkpoint.latest_step(plan.run_dir) != config.train.steps:
+        return None
+    logger = get_run_logger()
+    try:
+        verified = checkpoint.verify_checkpoint(plan.run_dir, config.train.steps, plan.config_hash)
+    except checkpoint.CheckpointError as exc:
+        logger.warning("training will resume: %s", exc)
+        return None
+    logger.info("training finished at step %d already: no slice is provisioned", verified.step)
+    return verified
+
+
 @task(name="evaluate", cache_policy=NONE)
 def evaluate_checkpoint(plan: RunPlan, step: int) -> evaluate.EvalResult:
     """Loss and bits-per-byte of the verified step on the eval split; writes eval.json."""

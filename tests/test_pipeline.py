@@ -140,8 +140,13 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     from flows.pipeline import tpu_training_pipeline
 
     config, root, first = tiny_run
+    ledger = Path(first.run_dir) / "events.jsonl"
+    before = read_events(ledger)
     again = tpu_training_pipeline(config=config)
     assert again.params_sha256 == first.params_sha256  # nothing retrained
+    # Training had finished: no slice was provisioned for the rerun, no attempt made.
+    assert read_events(ledger) == before
+    assert again.attempts == first.attempts and again.chip_hours == first.chip_hours
     sink = DuckDBSink(str(root / "metrics.duckdb"))
     assert sink.query("SELECT count(*) FROM runs WHERE run_id = ?", [first.run_id]) == [(1,)]
     ((n, distinct),) = sink.query(
@@ -149,6 +154,26 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
         [first.run_id],
     )
     assert n == distinct
+
+
+def test_a_rerun_whose_final_checkpoint_is_corrupt_trains_its_last_steps_again(
+    tmp_path, prefect_harness
+):
+    from flows.pipeline import tpu_training_pipeline
+
+    config = tiny_config(tmp_path, "run_name=corrupt")
+    first = tpu_training_pipeline(config=config)
+    final = Path(first.run_dir) / "checkpoints" / str(config.train.steps) / "state"
+    biggest = max((p for p in final.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    again = tpu_training_pipeline(config=config)
+    assert again.status == "completed" and again.final_step == config.train.steps
+    assert again.params_sha256 == first.params_sha256  # resumed exactly from step 10
+    events = read_events(Path(first.run_dir) / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "restored"] == [10]
+    (moved,) = (Path(first.run_dir) / "quarantine").iterdir()
+    assert moved.name.startswith(f"{config.train.steps}-")
 
 
 def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_harness):
