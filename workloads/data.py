@@ -184,8 +184,8 @@ def shard_dataset(
 
     Args:
         cfg: Sources, format, tokenizer and packing options; `cfg.workers` processes,
-            this one included (0: one per CPU, or this one alone for a corpus under 64
-            MiB). With more than one, a script calling this needs the
+            this one included (0: one per CPU, or this one alone for a corpus under
+            `AUTO_PARALLEL_BYTES`). With more than one, a script calling this needs the
             `if __name__ == "__main__":` guard: workers start from a forkserver, which
             imports the main module.
         out_root: Local directory holding one sub-directory per dataset fingerprint.

@@ -243,8 +243,8 @@ def write_shard(job: ShardJob) -> dict:
     dtype = np.dtype(job.dtype).newbyteorder("<")
     final = Path(job.directory) / job.name
     tmp = final.with_name(f"{TMP_PREFIX}{job.name}")
-    size = (job.seq_len + 1) * dtype.itemsize
-    writer = ArrayRecordWriter(str(tmp), writer_options(size))
+    record_bytes = (job.seq_len + 1) * dtype.itemsize
+    writer = ArrayRecordWriter(str(tmp), writer_options(record_bytes))
     try:
         block = max(1, RECORD_BLOCK_BYTES // (job.seq_len * dtype.itemsize))
         for first in range(job.first, job.first + job.count, block):
@@ -255,7 +255,8 @@ def write_shard(job: ShardJob) -> dict:
             # The writer takes one bytes object per record: slices of the block's bytes,
             # handed over by `map`, cost 18% less than a row view's tobytes() per record
             # in a Python loop (50,000 records of 129 bytes: 17.1 vs 20.9 ms).
-            deque(map(writer.write, [data[i : i + size] for i in range(0, len(data), size)]), 0)
+            records = [data[i : i + record_bytes] for i in range(0, len(data), record_bytes)]
+            deque(map(writer.write, records), 0)
     finally:
         writer.close()
     start_writeback(tmp)

@@ -42,7 +42,7 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
     Workers start from a forkserver: forking the orchestrator itself, whose Prefect threads
     may hold locks, could deadlock the child. A `ProcessPoolExecutor`, not a
     `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
-    Workers keep the memory they free and exit with this process (`packing.init_worker`);
+    Workers keep the memory they free and exit with this process (`init_worker`);
     this process's allocator, the caller's, is left as it is.
     """
     if workers <= 1:
