@@ -12,15 +12,9 @@ from prefect import flow, runtime
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.pipeline import tpu_training_pipeline
-from tasks.sweep import (
-    SweepInterrupted,
-    SweepPlan,
-    TrialOutcome,
-    launch_deployment,
-    outcome_from_state,
-    plan_sweep,
-    run_trials,
-)
+from tasks.sweep import plan_sweep, run_trials
+from tasks.sweep_deployed import launch_deployment
+from tasks.sweep_models import SweepInterrupted, SweepPlan, TrialOutcome, outcome_from_state
 from tasks.sweep_results import (
     SweepSummary,
     attach_landed_runs,

@@ -4,7 +4,9 @@ Admission is Prefect's global concurrency limit counted in chips: a trial holds 
 slice's chip count from before its run starts until after it ends (with `max_parallel`, a
 lane holds them from one trial to the next), so the trials of every sweep sharing the limit
 never hold more chips than it has. The sweep never cancels a
-trial because another failed: each trial's outcome is recorded, whatever it is.
+trial because another failed: each trial's outcome is recorded, whatever it is. A sweep
+stopped (Ctrl-C, SIGTERM, cancelled from the UI) starts no more trials and stops those
+under way.
 """
 
 from __future__ import annotations
@@ -17,76 +19,30 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from contextlib import ExitStack
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
-from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-from pydantic import BaseModel
 
-from infra.metrics import RunRow, build_sink
-from tasks.plan import check_resumable, metrics_path, plan_run
+from tasks.plan import check_resumable, plan_run
+from tasks.sweep_deployed import cancel_trial_runs, ensure_trial_deployment
+from tasks.sweep_models import (
+    Launcher,
+    SweepError,
+    SweepInterrupted,
+    SweepPlan,
+    TrialOutcome,
+    TrialResult,
+    crashed,
+)
 from tasks.sweep_space import SweepConfig, Trial, build_trials
 from tasks.watch import STOPPING
-from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 
-TrialStatus = Literal["completed", "failed", "cancelled", "crashed"]
-# How often run_deployment asks the API whether a trial's run has finished.
-DEPLOYMENT_POLL_S = 2.0
-
-
-class SweepError(RuntimeError):
-    """The sweep cannot run as configured (no chip limit, a trial larger than it)."""
-
-
-class SweepInterrupted(Exception):
-    """The sweep was stopped (`cause`: Ctrl-C, SIGTERM) once its trials under way had
-    ended; `results` holds every trial's, those never started as cancelled."""
-
-    def __init__(self, results: list[TrialResult], cause: BaseException):
-        super().__init__(f"sweep interrupted: {type(cause).__name__}")
-        self.results = results
-        self.cause = cause
-
-
-class SweepPlan(BaseModel):
-    """A sweep resolved before any trial runs: its name, trials and where they run."""
-
-    sweep_id: str
-    flow_run_id: str | None = None
-    trials: list[Trial]
-    via: Literal["subflow", "deployment"]
-    trial_deployment: str
-    chip_limit: str
-    chips: int  # what the limit holds
-    objective: str
-    max_parallel: int
-    base: PipelineConfig
-
-
-class TrialOutcome(BaseModel):
-    """How a trial's run ended, as its launcher saw it."""
-
-    status: TrialStatus
-    flow_run_id: str | None = None
-    error: str | None = None
-    run: RunRow | None = None
-
-
-class TrialResult(TrialOutcome):
-    """A trial's outcome with its identity and when it held its chips."""
-
-    index: int
-    run_id: str
-    params: dict[str, Any]
-    chips: int
-    started_at: datetime  # chips acquired
-    finished_at: datetime  # run over, chips about to be released
-    waited_s: float  # time spent waiting for chips
+__all__ = ["SweepError", "SweepInterrupted", "SweepPlan", "TrialOutcome", "TrialResult"]
 
 
 def new_sweep_name(now: datetime | None = None, token: str | None = None) -> str:
@@ -145,22 +101,6 @@ def ensure_chip_limit(
             f"`prefect gcl update {name} --active-slots 0`"
         )
     return limit.limit
-
-
-def ensure_trial_deployment(name: str, client: Any) -> None:
-    """The deployment trials run as must exist, or every trial would take its chips and
-    crash in `run_deployment`.
-
-    Raises:
-        SweepError: naming the deployment and how to create it.
-    """
-    try:
-        client.read_deployment_by_name(name)
-    except ObjectNotFound:
-        raise SweepError(
-            f"no deployment {name!r} for the trials (trial_deployment): deploy it with "
-            "`prefect deploy --all`, or give trials_via 'subflow'"
-        ) from None
 
 
 @task(name="plan-sweep", cache_policy=NONE)
@@ -224,9 +164,6 @@ def check_trials_resumable(trials: list[Trial]) -> None:
         raise ConfigError("\n".join(problems))
 
 
-Launcher = Callable[[Trial, SweepPlan], TrialOutcome]
-
-
 class TrialQueue:
     """The trials no lane has taken yet, in order (lanes are threads of one process), and
     whether the sweep still starts trials (`close`)."""
@@ -260,7 +197,7 @@ def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher, queue: TrialQueue
         with concurrency(plan.chip_limit, occupy=trial.chips, strict=True):
             return _admitted(trial, plan, launch, asked, queue)
     except Exception as exc:  # no admission (limit gone, API unreachable): never ran
-        return _never_ran(trial, _crashed(exc), asked)
+        return _never_ran(trial, crashed(exc), asked)
 
 
 @task(name="run-lane", cache_policy=NONE, task_run_name="lane-{lane}")
@@ -283,7 +220,7 @@ def run_lane(lane: int, queue: TrialQueue, plan: SweepPlan, launch: Launcher) ->
                         concurrency(plan.chip_limit, occupy=trial.chips, strict=True)
                     )
                 except Exception as exc:  # no admission (limit gone, API unreachable)
-                    results.append(_never_ran(trial, _crashed(exc), asked))
+                    results.append(_never_ran(trial, crashed(exc), asked))
                     continue
                 held = trial.chips
             results.append(_admitted(trial, plan, launch, asked, queue))
@@ -308,7 +245,7 @@ def _admitted(
     try:
         outcome = launch(trial, plan)
     except Exception as exc:  # a launcher bug or an API error: this trial only
-        outcome = _crashed(exc)
+        outcome = crashed(exc)
     return _result(trial, outcome, started, datetime.now(UTC), asked)
 
 
@@ -355,8 +292,9 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
         SweepInterrupted: on Ctrl-C or SIGTERM (raised in this thread), once no trial is
             left under way: none starts after it, and the trials running stop watching
             their slices (`tasks.watch.STOPPING`), so their pipelines delete them and fail.
-            Before, the threads went on starting and running every trial, and the sweep
-            ended minutes later with nothing recorded. A second signal stops the wait.
+            Deployed trials' runs are cancelled (`cancel_trial_runs`). Before, the threads
+            went on starting and running every trial, and the sweep ended minutes later
+            with nothing recorded. A second signal stops the wait.
     """
     queue, stopping = TrialQueue(plan.trials), threading.Event()
     token = STOPPING.set(stopping)  # submitted tasks run in copies of this context
@@ -371,11 +309,10 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
             queue.close()
             stopping.set()
             get_run_logger().warning(
-                "sweep interrupted: no trial starts now; waiting for those under way%s "
-                "(signal again to stop waiting)",
-                " (deployed: they run to their end)" if plan.via == "deployment" else "",
+                "sweep interrupted: no trial starts now; waiting for those under way to "
+                "stop (signal again to stop waiting)"
             )
-            results = _gather(futures)
+            results = _gather(futures, _canceller(plan, exc))
             ran, now = {r.index for r in results}, time.time()
             results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]
             raise SweepInterrupted(sorted(results, key=lambda r: r.index), exc) from exc
@@ -384,14 +321,18 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
     return sorted(results, key=lambda r: r.index)
 
 
-def _gather(futures: list) -> list[TrialResult]:
-    """Every future's results (a trial's `TrialResult`, or a lane's list of them).
+def _gather(futures: list, tick: Callable[[], None] | None = None) -> list[TrialResult]:
+    """Every future's results (a trial's `TrialResult`, or a lane's list of them); `tick`
+    is called about once a second while they run.
 
     Waits a second at a time: a signal delivered to another thread of the process does
     not wake a wait, and Python runs its handler only once this thread runs again.
     """
-    while wait([f.wrapped_future for f in futures], timeout=1.0).not_done:
-        pass
+    while True:
+        if tick is not None:
+            tick()
+        if not wait([f.wrapped_future for f in futures], timeout=1.0).not_done:
+            break
     results = []
     for future in futures:
         value = future.result()
@@ -399,58 +340,23 @@ def _gather(futures: list) -> list[TrialResult]:
     return results
 
 
-def launch_deployment(trial: Trial, plan: SweepPlan) -> TrialOutcome:
-    """Run the trial as a run of `plan.trial_deployment`, on whichever worker serves its
-    pool, linked to the sweep as a subflow; its `runs` row is read from the metrics sink."""
-    flow_run = run_deployment(
-        plan.trial_deployment,
-        parameters={"config": trial.config.model_dump(mode="json")},
-        flow_run_name=trial.run_name,
-        # A retried trial task finds the run it created instead of starting another; a
-        # sweep run again (another flow run) starts new runs, which resume the trials.
-        idempotency_key=f"{plan.flow_run_id or plan.sweep_id}-{trial.index}",
-        poll_interval=DEPLOYMENT_POLL_S,
-        tags=["sweep", plan.sweep_id],
-    )
-    state = flow_run.state
-    status = _status(state.type.value if state else "CRASHED")
-    if status != "completed":
-        error = state.message if state else "no state"
-        return TrialOutcome(status=status, flow_run_id=str(flow_run.id), error=error)
-    run = read_run(plan.base, trial.run_name)
-    # A worker with another metrics sink than the sweep's would leave nothing to rank by.
-    error = None if run else f"completed, but run {trial.run_name} is not in the metrics sink"
-    return TrialOutcome(status=status, flow_run_id=str(flow_run.id), error=error, run=run)
+def _canceller(plan: SweepPlan, cause: BaseException) -> Callable[[], None] | None:
+    """For deployed trials, what cancels their runs while the interrupted sweep waits for
+    them: again each second, since a trial that took its chips just before the signal may
+    create its run a moment after."""
+    if plan.via != "deployment":
+        return None  # in-process trials stop at their next poll (STOPPING)
+    reason = f"the sweep {plan.sweep_id} was stopped ({type(cause).__name__})"
+    log = get_run_logger()
 
+    def tick() -> None:
+        try:
+            if names := cancel_trial_runs(plan, reason):
+                log.warning("cancelled the runs of trials %s", ", ".join(names))
+        except Exception as exc:  # the API unreachable: keep waiting, try again
+            log.warning("could not cancel the trials' runs: %s", exc)
 
-def outcome_from_state(state: Any) -> TrialOutcome:
-    """The outcome of an in-process trial from its subflow's final state."""
-    status = _status(state.type.value)
-    run = state.result(raise_on_failure=False) if status == "completed" else None
-    return TrialOutcome(
-        status=status,
-        flow_run_id=str(state.state_details.flow_run_id),
-        error=None if status == "completed" else state.message,
-        run=run if isinstance(run, RunRow) else None,
-    )
-
-
-def read_run(base: PipelineConfig, run_id: str) -> RunRow | None:
-    """The trial's `runs` row from the sweep's metrics sink."""
-    return build_sink(base.metrics.sink, metrics_path(base), base.metrics).read_run(run_id)
-
-
-def _crashed(exc: Exception) -> TrialOutcome:
-    return TrialOutcome(status="crashed", error=f"{type(exc).__name__}: {exc}")
-
-
-def _status(state_type: str) -> TrialStatus:
-    return {
-        "COMPLETED": "completed",
-        "CANCELLED": "cancelled",
-        "CANCELLING": "cancelled",
-        "CRASHED": "crashed",
-    }.get(state_type, "failed")
+    return tick
 
 
 def completed(results: Iterable[TrialResult]) -> list[TrialResult]:

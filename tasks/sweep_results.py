@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from infra.metrics import RunRow, SweepRow, build_sink
 from tasks.plan import metrics_path
-from tasks.sweep import SweepPlan, TrialResult, read_run
+from tasks.sweep_models import SweepPlan, TrialResult, read_run
 
 
 class SweepFailed(RuntimeError):

@@ -211,6 +211,50 @@ def test_deployed_sweep_runs_its_trials_through_the_train_deployment(stack):
     assert [r.name for r in runs] == ["deployed-t00", "deployed-t01"]
 
 
+def test_cancelling_a_deployed_sweep_cancels_its_trials_runs_and_their_slices(stack):
+    # Trials ran on as runs of `train`, their slices billed, after the sweep was cancelled.
+    from prefect.states import Cancelling
+
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    sweep = SweepConfig(
+        base=tiny_config(stack.root, "train.steps=100000"),
+        space=SearchSpace(grid={"seed": [1, 2]}),
+        sweep_name="cancel-me",
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=16,
+    )
+    flow_run = run_deployment_via_api(
+        stack, "tpu-sweep/sweep", {"config": sweep.model_dump(mode="json")}
+    )
+    provider = build_provider("local", str(stack.root))
+    beats = [stack.root / "runs" / f"cancel-me-t0{i}" / "status.json" for i in (0, 1)]
+
+    def both_training():
+        import json
+
+        steps = [json.loads(b.read_text()).get("step") or 0 for b in beats if b.exists()]
+        return len(steps) == 2 and min(steps) >= 2
+
+    wait_for(both_training, 400, "both trials to train a few steps")
+    with stack.client() as client:  # what the UI's Cancel button does
+        client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+    assert final_state(stack, flow_run.id, timeout_s=180) == "CANCELLED"
+
+    sink = DuckDBSink(stack.root / "metrics.duckdb")
+    trials = sink.query(
+        "SELECT trial, status, flow_run_id FROM sweeps WHERE sweep_id = 'cancel-me' ORDER BY trial"
+    )
+    assert [(t[0], t[1]) for t in trials] == [(0, "cancelled"), (1, "cancelled")]
+    for _, _, trial_run in trials:
+        assert final_state(stack, uuid.UUID(trial_run), timeout_s=60) == "CANCELLED"
+        labels = {"flow-run-id": trial_run}
+        wait_for(lambda labels=labels: not provider.list(labels), 60, "a trial's slice to go")
+    for i in (0, 1):
+        config_json = str(stack.root / "runs" / f"cancel-me-t0{i}" / "config.json")
+        wait_for(lambda c=config_json: not processes_mentioning(c), 30, "the workloads to exit")
+
+
 def test_ui_run_form_of_train_shows_the_config_fields_and_their_descriptions(stack, tmp_path):
     binary = chromium_binary()
     assert binary, "headless Chromium is missing: `make chromium` installs Debian's package"

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 import tasks.sweep as sweep_tasks
+import tasks.sweep_deployed as sweep_deployed
 from tasks.sweep import SweepPlan, TrialOutcome
 from tasks.sweep_space import Trial
 from tests.helpers import tiny_config
@@ -172,11 +173,11 @@ def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_swee
         state = SimpleNamespace(type=SimpleNamespace(value="FAILED"), message="no capacity")
         return SimpleNamespace(id=uuid.uuid4(), state=state)
 
-    monkeypatch.setattr(sweep_tasks, "run_deployment", run_deployment)
+    monkeypatch.setattr(sweep_deployed, "run_deployment", run_deployment)
     plan = plan_of(tmp_path, [8], lanes=1, limit="x")
     trial = plan.trials[0]
     for flow_run in ["run-1", "run-1", "run-2"]:
-        outcome = sweep_tasks.launch_deployment(
+        outcome = sweep_deployed.launch_deployment(
             trial, plan.model_copy(update={"flow_run_id": flow_run})
         )
         assert (outcome.status, outcome.error) == ("failed", "no capacity")
