@@ -28,6 +28,10 @@ from workloads.step_metrics import NonFiniteError
 log = logging.getLogger(__name__)
 
 
+QUARANTINED = "QUARANTINED.txt"  # the reason, in a quarantined step's folder
+COMMIT_MARKER = "commit_success.txt"  # what marks a step committed on GCS (orbax)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, non-finite or from another config."""
 
@@ -161,16 +165,36 @@ def non_finite_array(state: Any) -> str | None:
 
 
 def quarantine(run_dir: str, step: int, reason: str) -> epath.Path:
-    """Move a checkpoint a run must not trust to `quarantine/`, with the reason beside it.
+    """Move a checkpoint a run must not trust to `quarantine/<step>-<time>/`, with the
+    reason in `QUARANTINED.txt` there.
 
     Never deletes: a person may want to look at what went wrong.
     """
+    source = checkpoint_dir(run_dir) / str(step)
     target = epath.Path(run_dir) / "quarantine" / f"{step}-{int(time.time())}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (checkpoint_dir(run_dir) / str(step)).rename(target)
-    (target / "QUARANTINED.txt").write_text(reason + "\n")
+    if "://" not in str(run_dir):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)  # atomic
+        (target / QUARANTINED).write_text(reason + "\n")
+    else:
+        # GCS has no folders: a folder exists once an object is in it (moving a step to a
+        # quarantine/ that did not exist failed, and every rerun failed on the same step),
+        # and a rename is a copy and a delete per object anyway. The commit marker moves
+        # first, so a move cut short leaves a step orbax no longer counts as committed.
+        (target / QUARANTINED).write_text(reason + "\n")
+        for child in sorted(source.iterdir(), key=lambda p: p.name != COMMIT_MARKER):
+            child.rename(target / child.name)
     log.warning("checkpoint step %d quarantined to %s: %s", step, target, reason)
     return target
+
+
+def restore_error(exc: BaseException) -> str:
+    """'does not restore: <error>', without the store's whole spec that tensorstore's
+    errors append (60 lines of JSON for one array, in a message a person reads)."""
+    text = str(exc).split("See full TensorStore details", 1)[0].strip()
+    if len(text) > 500:
+        text = text[:500] + " ..."
+    return f"does not restore: {type(exc).__name__}: {text}"
 
 
 def restore_newest_valid(
@@ -186,7 +210,7 @@ def restore_newest_valid(
             restored, data_state, meta = restore(mngr, step, arrays)
             problem = state_problem(restored, meta, config_hash)
         except Exception as exc:  # a truncated or missing file surfaces as any error
-            problem = f"does not restore: {type(exc).__name__}: {exc}"
+            problem = restore_error(exc)
         if problem is None:
             return step, restored, data_state
         if jax.process_index() == 0:
@@ -296,7 +320,7 @@ def verify_checkpoint(
         state, meta = restore_on_host(run_dir, step)
         problem = state_problem(state, meta, config_hash)
     except Exception as exc:
-        problem = f"does not restore: {type(exc).__name__}: {exc}"
+        problem = restore_error(exc)
     if problem is not None:
         moved = quarantine(run_dir, step, problem)
         raise CheckpointError(f"checkpoint {where / str(step)}: {problem} (moved to {moved})")
