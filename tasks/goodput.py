@@ -9,7 +9,8 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
 - startup: ready → the first step done (process start, compile), less the restore;
 - restore: reading the checkpoint the attempt resumed from;
 - productive: first step → the last checkpoint the run went on from (one that a later
-  attempt, of this invocation or a rerun, restored), or the finish;
+  attempt, of this invocation or a rerun, restored), or the finish (unless a rerun
+  quarantined the final checkpoint and resumed from before it);
 - lost: that checkpoint → the attempt's end (work done again by a later attempt);
 - teardown: the attempt's end → its slice deleted (after a finished run: from its last
   step, since nothing after it is trained again);
@@ -149,14 +150,14 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             later = {step for step in resumes[i + 1 :] if step in saved}
             line.kept_step = max(later, default=None)
             keep_until = None if line.kept_step is None else saved[line.kept_step]
-            if "finished" in t:
-                keep_until = t["finished"]
-                line.kept_step = _last(evs, "finished", "step")
+            finished = _kept_finish(evs, resumes[i + 1 :])
+            if finished is not None:
+                keep_until, line.kept_step = t["finished"], finished
             kept_end = min(max(first if keep_until is None else keep_until, first), end)
             line.segments.append(Segment("productive", first, kept_end))
             # After the final step nothing is trained again: the workload's exit and the
             # orchestrator noticing it hold the slice for nothing, like its deletion.
-            after = "teardown" if "finished" in t else "lost"
+            after = "teardown" if finished is not None else "lost"
             line.segments.append(Segment(after, kept_end, end))
         if "deleted" in t:
             line.segments.append(Segment("teardown", end, end + max(t["deleted"] - end, 0.0)))
@@ -204,6 +205,17 @@ def _start_step(events: list[dict], resumed_from: int | None) -> int | None:
         return resumed_from
     step = _first(events, "first_step", "step")
     return None if step is None else step - 1
+
+
+def _kept_finish(events: list[dict], later_resumes: list[int | None]) -> int | None:
+    """The final step this attempt finished at, if the run kept it: not when a later
+    attempt resumed from before it (the final checkpoint failed verification and was
+    quarantined, so its last steps were trained again; such a rerun used to count them
+    twice, in `steps`, tokens and cost per token, and none of them as lost)."""
+    step = _last(events, "finished", "step")
+    if step is None or any(r is not None and r < step for r in later_resumes):
+        return None
+    return step
 
 
 def _resume_point(events: list[dict]) -> int | None:

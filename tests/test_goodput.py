@@ -111,3 +111,22 @@ def test_a_final_attempt_that_restored_the_last_step_keeps_the_run_s_steps():
     assert (second.resumed_from, second.steps_kept) == (12, 0)
     result = compute_goodput(events)
     assert result.seconds["productive"] == 16 - 5 and result.goodput == pytest.approx(11 / 27)
+
+
+@pytest.mark.parametrize("resumed", [10, 0])
+def test_steps_trained_again_after_the_final_checkpoint_was_quarantined_are_lost(resumed):
+    # A rerun found step 12 corrupt, quarantined it and resumed from step 10 (or, keeping
+    # one checkpoint, from scratch): attempt 1's steps after that were done again. They
+    # counted twice (24 steps for a 12-step run) and none of attempt 1's time as lost.
+    attempt1 = attempt_events(1, 0, 0, 12, "completed", invocation="a")
+    attempt1.insert(3, {"time": 14, "attempt": 1, "event": "checkpoint", "step": 10})
+    events = [*attempt1, *attempt_events(2, 30, resumed, 12, "completed", invocation="b")]
+    first, second = attempt_timelines(events)
+    kept = resumed or None
+    assert (first.kept_step, first.steps_kept) == (kept, resumed)
+    assert second.steps_kept == 12 - resumed
+    result = compute_goodput(events)
+    # attempt 1: first step at 5, its step 10 saved at 14, step 12 at 16, ended at 17;
+    # attempt 2: first step at 35, one step a second to step 12
+    assert result.seconds["productive"] == (14 - 5 if resumed else 0) + (12 - resumed - 1)
+    assert result.seconds["lost"] == (17 - 14 if resumed else 17 - 5)
