@@ -39,12 +39,13 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
         try:
             config_path = shard_dataset(config, plan)
             verified = finished_training(config, plan)  # a rerun of a finished run
-            if verified is None:
-                try:
+            try:
+                if verified is None:
                     train_with_retries(config)(config, plan, config_path)
-                finally:
-                    teardown_slice(config, plan)
-                verified = verify_checkpoint(config, plan)
+            finally:
+                # After a finished run too: an orchestrator killed outright left its slice.
+                teardown_slice(config, plan)
+            verified = verified or verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
         except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row
             land_failure(config, plan, started, verified, result, exc)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,35 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
         [first.run_id],
     )
     assert n == distinct
+
+
+def test_a_rerun_of_a_finished_run_deletes_the_slice_a_killed_orchestrator_left(
+    tiny_run, tmp_path
+):
+    # An orchestrator killed outright (SIGKILL, OOM) leaves its slice; its workload may
+    # train on to the end alone. The rerun found training finished and skipped the
+    # training stage, teardown included: on GCP the TPU VM stayed up until the reaper.
+    from flows.pipeline import tpu_training_pipeline
+    from infra.slices import SliceSpec, build_provider
+    from tasks.plan import plan_run
+
+    config, root, _ = tiny_run
+    name = plan_run(config).slice_name
+    provider = build_provider("local", str(root))
+    marker = f"left-by-a-killed-orchestrator-{uuid.uuid4().hex}"
+    spec = SliceSpec(
+        name=name,
+        devices=8,
+        command=[sys.executable, "-c", "import time; time.sleep(600)", marker],
+        log_path=str(tmp_path / "orphan.log"),
+    )
+    provider.create(spec)
+    assert processes_mentioning(marker)
+
+    tpu_training_pipeline(config=config)
+
+    assert name not in [s.name for s in provider.list()]
+    assert not processes_mentioning(marker)
 
 
 def test_a_rerun_whose_final_checkpoint_is_corrupt_trains_its_last_steps_again(
