@@ -173,11 +173,34 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
     plan, files = check_inputs(config, plan_run(config, flow_run_id))
+    check_slice_access(config, plan)
     price = price_for(config)
     logger = get_run_logger()
     logger.info("run %s: %d source files, run directory %s", plan.run_id, files, plan.run_dir)
     logger.info("cost: %d chips, %s", price.chips, price.describe())
     return plan
+
+
+def check_slice_access(config: PipelineConfig, plan: RunPlan) -> None:
+    """A gcp slice's credentials and project resolve, with no API call: on a machine with
+    neither, a run sharded and uploaded its dataset, then failed at its first attempt with
+    an error that named no field.
+
+    Raises:
+        ConfigError: naming slice.project / slice.credentials_block and the fix.
+    """
+    if config.slice.provider != "gcp":
+        return
+    from infra.gcp.clients import CredentialsError
+    from infra.slices import build_provider
+
+    try:
+        build_provider("gcp", plan.slices_root, config.slice)  # kept: the run reuses it
+    except CredentialsError as exc:
+        raise ConfigError(
+            f"slice.provider 'gcp' with slice.project={config.slice.project!r} and "
+            f"slice.credentials_block={config.slice.credentials_block!r}: {exc}"
+        ) from None
 
 
 def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:

@@ -224,3 +224,27 @@ def test_cli_exits_2_naming_the_override(tmp_path, capsys):
     assert cli_main(["validate", "--config", str(path), "--set", "train.steps=true"]) == 2
     err = capsys.readouterr().err
     assert "--set: train.steps: Input should be a valid integer (got True, from --set " in err
+
+
+@pytest.mark.parametrize(
+    "field", ["slice.project", "storage.project", "metrics.project"], ids=lambda f: f
+)
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("''", "is empty"), ("'My Project!'", "is neither a project id"), ("abc", "neither")],
+)
+def test_a_project_that_cannot_be_one_is_refused_naming_its_field(tmp_path, field, value, said):
+    # An empty one failed only at the first API call, after sharding and uploading; a
+    # malformed one reached the TPU API.
+    section, key = field.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"{field}: .*{said}"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", ["123456", "my-project-123", "example.com:my-project"])
+def test_project_ids_and_numbers_are_taken(tmp_path, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"slice:\n  project: '{value}'\n")
+    assert load_config(path).slice.project == value

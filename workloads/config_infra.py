@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from workloads.config_resilience import ChaosConfig
-from workloads.config_types import Float, Int
+from workloads.config_types import Float, Int, ProjectId
 from workloads.config_types import StrictModel as _Strict
 
 # TPU generations: (devices JAX sees per chip-count unit, chips per host on multi-host
@@ -77,7 +77,7 @@ class SliceConfig(_Strict):
         "deleted and the attempt retried as a preemption). Keep it above the workload's "
         "start-up and longest compile: it beats only before and after them.",
     )
-    project: str | None = Field(
+    project: ProjectId = Field(
         None, description="gcp: project of the TPU (None: the credentials' project)."
     )
     zone: str | None = Field(None, description="gcp: zone to create the TPU in, e.g. us-west4-a.")
@@ -177,7 +177,7 @@ class StorageConfig(_Strict):
     root: str = Field(
         ".tpupipe", description="Storage root: a local directory or gs://bucket/prefix."
     )
-    project: str | None = Field(
+    project: ProjectId = Field(
         None, description="gs://: project billed for requests (None: the credentials')."
     )
     credentials_block: str | None = Field(
@@ -219,7 +219,7 @@ class MetricsConfig(_Strict):
     path: str | None = Field(
         None, description="DuckDB file (default: metrics.duckdb under the storage root)."
     )
-    project: str | None = Field(
+    project: ProjectId = Field(
         None, description="bigquery: project of the dataset (None: the credentials')."
     )
     dataset: str = Field(
