@@ -172,13 +172,13 @@ def land_metrics(
     run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
     sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics)
     sink.ensure_tables()
-    sink.land(run, steps, evals)
+    landed = sink.land(run, steps, evals)
     get_run_logger().info(
         "landed run %s (%s): %d step rows, %d eval rows in %s",
         run.run_id,
         run.status,
-        len(steps),
-        len(evals),
+        landed.steps,  # one per step: a step trained again after a resume counts once
+        landed.evals,
         plan.metrics_path,
     )
     return run

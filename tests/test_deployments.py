@@ -94,6 +94,22 @@ def run_deployment_via_api(stack: Stack, name: str, parameters: dict):
         return client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
 
 
+def start_sweep(stack: Stack, name: str, *overrides: str):
+    """A run of the `sweep` deployment: two trials (seeds 1 and 2) of configs/tiny.yaml."""
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    sweep = SweepConfig(
+        base=tiny_config(stack.root, *overrides),
+        space=SearchSpace(grid={"seed": [1, 2]}),
+        sweep_name=name,
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=16,
+    )
+    return run_deployment_via_api(
+        stack, "tpu-sweep/sweep", {"config": sweep.model_dump(mode="json")}
+    )
+
+
 def final_state(stack: Stack, flow_run_id, timeout_s: float) -> str:
     def ended():
         with stack.client() as client:
@@ -180,18 +196,7 @@ def test_cancelling_a_run_mid_training_deletes_its_slice(stack):
 
 
 def test_deployed_sweep_runs_its_trials_through_the_train_deployment(stack):
-    from tasks.sweep_space import SearchSpace, SweepConfig
-
-    sweep = SweepConfig(
-        base=tiny_config(stack.root),
-        space=SearchSpace(grid={"seed": [1, 2]}),
-        sweep_name="deployed",
-        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
-        chip_quota=16,
-    )
-    flow_run = run_deployment_via_api(
-        stack, "tpu-sweep/sweep", {"config": sweep.model_dump(mode="json")}
-    )
+    flow_run = start_sweep(stack, "deployed")
     assert final_state(stack, flow_run.id, timeout_s=500) == "COMPLETED"
 
     sink = DuckDBSink(stack.root / "metrics.duckdb")
@@ -215,18 +220,7 @@ def test_cancelling_a_deployed_sweep_cancels_its_trials_runs_and_their_slices(st
     # Trials ran on as runs of `train`, their slices billed, after the sweep was cancelled.
     from prefect.states import Cancelling
 
-    from tasks.sweep_space import SearchSpace, SweepConfig
-
-    sweep = SweepConfig(
-        base=tiny_config(stack.root, "train.steps=100000"),
-        space=SearchSpace(grid={"seed": [1, 2]}),
-        sweep_name="cancel-me",
-        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
-        chip_quota=16,
-    )
-    flow_run = run_deployment_via_api(
-        stack, "tpu-sweep/sweep", {"config": sweep.model_dump(mode="json")}
-    )
+    flow_run = start_sweep(stack, "cancel-me", "train.steps=100000")
     provider = build_provider("local", str(stack.root))
     beats = [stack.root / "runs" / f"cancel-me-t0{i}" / "status.json" for i in (0, 1)]
 
