@@ -71,3 +71,18 @@ def test_a_zone_that_refuses_the_list_does_not_hide_the_others(fake_tpu):
     assert reap(provider, lambda flow_run_id: "COMPLETED", now=NOW) == [
         ("tpupipe-a", "its flow run is COMPLETED")
     ]
+
+
+def test_a_slice_whose_flow_run_this_api_does_not_know_is_left_to_its_ttl(fake_tpu):
+    # A `tpupipe run` from a laptop or CI records its flow run in its own temporary API:
+    # a deployed reaper found "its flow run does not exist" and deleted the live slice.
+    fake, host = fake_tpu
+    provider = make_provider(host)
+    provider.create(spec("tpupipe-live", {**LABELS, "run-id": "live"}))
+
+    assert reap(provider, lambda flow_run_id: None, now=NOW) == []
+    assert [node for _, node in fake.nodes] == ["tpupipe-live"]
+    ttl = provider.status("tpupipe-live").labels["ttl"]  # the provider's max lifetime
+    assert reap(provider, lambda flow_run_id: None, now=float(ttl) + 1) == [
+        ("tpupipe-live", f"ttl {ttl} has passed")
+    ]
