@@ -7,6 +7,7 @@ and the `reap-orphans` flow (flows/reaper.py) for an orchestrator that died outr
 
 from __future__ import annotations
 
+from contextlib import suppress
 from datetime import UTC, datetime
 
 from prefect import flow, runtime
@@ -42,9 +43,14 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
             try:
                 if verified is None:
                     train_with_retries(config)(config, plan, config_path)
-            finally:
-                # After a finished run too: an orchestrator killed outright left its slice.
-                teardown_slice(config, plan)
+            except BaseException:
+                # A slice that will not go must not replace the cause (Ctrl-C, SIGTERM, a
+                # failed attempt): the crash hook and the reaper try the slice again.
+                with suppress(Exception):
+                    teardown_slice(config, plan)
+                raise
+            # After a finished run too: an orchestrator killed outright left its slice.
+            teardown_slice(config, plan)
             verified = verified or verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
         except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row

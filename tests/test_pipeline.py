@@ -281,6 +281,34 @@ def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkey
     assert status == "failed" and "heartbeat" in error
 
 
+def test_a_signal_stays_the_cause_when_the_teardown_after_it_fails(
+    tmp_path, prefect_harness, monkeypatch
+):
+    # Ctrl-C or SIGTERM in training, then a slice the API will not delete: the teardown's
+    # SliceError replaced the signal, so the run exited 1 instead of 143, its row named the
+    # SliceError and the flow run was failed, not crashed (its crash hook never ran).
+    import flows.pipeline as pipeline
+    from infra.slices import LocalSliceProvider, SliceError
+
+    def interrupted(config):
+        def train(*args):
+            raise KeyboardInterrupt
+
+        return train
+
+    def refuse(self, name, grace_s=5.0):
+        raise SliceError(f"slice {name!r} could not be deleted: 503")
+
+    monkeypatch.setattr(pipeline, "train_with_retries", interrupted)
+    monkeypatch.setattr(LocalSliceProvider, "delete", refuse)
+    config = tiny_config(tmp_path, "run_name=signalled")
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.tpu_training_pipeline(config=config)
+    sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+    ((status, error),) = sink.query("SELECT status, error FROM runs WHERE run_id = 'signalled'")
+    assert status == "failed" and "KeyboardInterrupt" in error and "SliceError" not in error
+
+
 def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
     """A diverging run stops with a clear error and never checkpoints the bad state."""
     from flows.pipeline import tpu_training_pipeline
