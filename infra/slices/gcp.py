@@ -138,11 +138,11 @@ class GcpSliceProvider:
                     # Permanent (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, …): no
                     # other attempt or zone would fare better. The API's own message names
                     # neither the slice nor the zone when it comes from the operation.
-                    self._delete_in(zone, spec.name)
+                    left = self._delete_after_failed_create(zone, spec.name)
                     raise SliceError(
                         f"slice {spec.name!r} ({self.settings.accelerator_type}, "
                         f"{self.settings.runtime_version}) in {zone}: the TPU API refused to "
-                        f"create it: {e}"
+                        f"create it: {e}{left}"
                     ) from e
                 if attempt < self.settings.provision_attempts:
                     self._sleep(next(delays))
@@ -323,6 +323,14 @@ class GcpSliceProvider:
                     "(slice.provision_timeout_s); deleted"
                 )
             self._sleep(self.settings.poll_s)
+
+    def _delete_after_failed_create(self, zone: str, name: str) -> str:
+        """Delete what a failed create may have left; "" or what the user must delete."""
+        try:
+            self._delete_in(zone, name)
+        except (gexc.GoogleAPICallError, gexc.RetryError) as e:
+            return f"; deleting what it may have left failed too (delete slice {name} by hand): {e}"
+        return ""
 
     def _wait_op(self, op: Any) -> Any:
         return wait_op(op, self.settings.poll_s, self.settings.provision_timeout_s)

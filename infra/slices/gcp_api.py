@@ -95,7 +95,16 @@ def wait_op(op: Any, poll_s: float, timeout_s: float) -> Any:
         multiplier=1.5,
         timeout=timeout_s,
     )
-    return op.result(polling=polling, retry=TRANSIENT)
+    try:
+        return op.result(polling=polling, retry=TRANSIENT)
+    except TimeoutError:
+        # api-core's own: a bare TimeoutError that escaped every caller's handling of API
+        # errors, so a delete that never finished named no slice and a create's skipped the
+        # zone loop. As an API error, each caller names the slice and zone.
+        name = getattr(getattr(op, "operation", None), "name", "") or "an operation"
+        raise gexc.DeadlineExceeded(
+            f"{name} not done after {timeout_s:g}s (slice.provision_timeout_s)"
+        ) from None
 
 
 def spot_request(parent: str, name: str, node: tpu_v2.Node, timeout_s: float):

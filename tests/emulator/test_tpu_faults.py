@@ -123,3 +123,18 @@ def test_transient_errors_while_polling_an_operation_are_retried(fake_tpu):
     fake.faults = [("GET", "/operations/op-2", 429), ("GET", "/operations/op-2", RESET)]
     assert provider.delete("tpupipe-r1") is True
     assert fake.nodes == {} and fake.faults == [] and fake.creates["tpupipe-r1"] == 1
+
+
+def test_an_operation_that_never_finishes_is_an_error_naming_the_slice(fake_tpu):
+    # A delete the API accepted but never finished raised a bare TimeoutError ("Operation
+    # did not complete within the designated timeout"): the run's error and the teardown
+    # task named no slice, and a create's escaped the zone loop the same way.
+    fake, host = fake_tpu
+    provider = make_provider(host, provision_timeout_s=0.5)
+    provider.create(spec())
+    fake.op_polls = 10**9  # from now on, no operation ever reports done
+
+    with pytest.raises(SliceError, match=r"'tpupipe-r1'.*us-west4-a.*slice.provision_timeout_s"):
+        provider.delete("tpupipe-r1")
+    with pytest.raises(SliceError, match=r"'tpupipe-r2'.*slice.provision_timeout_s"):
+        provider.create(spec("tpupipe-r2"))
