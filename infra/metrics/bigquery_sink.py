@@ -19,12 +19,13 @@ scoped by `sweep_id` instead of `run_id`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import io
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from google.api_core import exceptions as gexc
@@ -60,6 +61,11 @@ _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 # a status-code list cannot tell from 403 accessDenied, and a connection reset is no API
 # error at all. Permanent errors (400, 403 accessDenied, 404) are not retried.
 RETRY = bigquery.DEFAULT_RETRY.with_delay(initial=1.0, maximum=30.0).with_timeout(300.0)
+# Each HTTP request's own limit: the library's default is none, so a request whose answer
+# never came hung a landing for good (RETRY's deadline is only checked between attempts).
+CALL_TIMEOUT_S = 60.0
+# A load or query job's wait for its result.
+JOB_TIMEOUT_S = 300.0
 
 
 class SchemaError(RuntimeError):
@@ -115,7 +121,7 @@ class BigQuerySink:
         try:
             # Look first: an orchestrator granted only dataset-level roles may not create
             # datasets, and a create of an existing one would answer 403, not 409.
-            existing = self.client.get_dataset(self.dataset, retry=RETRY)
+            existing = self.client.get_dataset(self.dataset, retry=RETRY, timeout=CALL_TIMEOUT_S)
             # A job runs in one location: every load and MERGE would fail with "Not found:
             # Dataset ... in location US" for a dataset that exists, after the whole run.
             if (existing.location or self.location).lower() != self.location.lower():
@@ -127,7 +133,7 @@ class BigQuerySink:
         except gexc.NotFound:
             ds = bigquery.Dataset(self.dataset)
             ds.location = self.location
-            self.client.create_dataset(ds, exists_ok=True, retry=RETRY)
+            self.client.create_dataset(ds, exists_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S)
         for model in self.models:
             self._ensure_table(model)
         self._ready = True
@@ -163,9 +169,12 @@ class BigQuerySink:
                     f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
                 )
         script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
-        self._query(script)
+        with _naming(f"landing run {run.run_id} into {self.dataset} (one transaction)"):
+            self._query(script)
         for model in self.models:
-            self.client.delete_table(self._staging(model, run.run_id), not_found_ok=True)
+            self.client.delete_table(
+                self._staging(model, run.run_id), not_found_ok=True, timeout=CALL_TIMEOUT_S
+            )
         counts = {m.table: len(by_table.get(m.table, [])) for m in self.models}
         return LandResult(
             runs=counts.get(RunRow.table, 0),
@@ -193,8 +202,11 @@ class BigQuerySink:
         trials = _dedupe(rows)[SweepRow.table]
         self._stage(SweepRow, sweep_id, trials)
         merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
-        self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
-        self.client.delete_table(self._staging(SweepRow, sweep_id), not_found_ok=True)
+        with _naming(f"landing sweep {sweep_id} into {self._table(SweepRow)}"):
+            self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
+        self.client.delete_table(
+            self._staging(SweepRow, sweep_id), not_found_ok=True, timeout=CALL_TIMEOUT_S
+        )
         return len(trials)
 
     def read_run(self, run_id: str) -> RunRow | None:
@@ -226,7 +238,9 @@ class BigQuerySink:
             type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
         )
         table.clustering_fields = list(model.cluster_fields)
-        existing = self.client.create_table(table, exists_ok=True, retry=RETRY)
+        existing = self.client.create_table(
+            table, exists_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S
+        )
         self._add_columns(model, {f.name: f.field_type for f in existing.schema})
 
     def _add_columns(self, model: type[TableRow], have: dict[str, str]) -> None:
@@ -260,16 +274,25 @@ class BigQuerySink:
             create_disposition=bigquery.CreateDisposition.CREATE_IF_NEEDED,
         )
         staging = self._staging(model, scope)
+        with _naming(f"loading {len(rows)} rows for {self._table(model)} into {staging}"):
+            self._load(staging, data, config)
+
+    def _load(self, staging: str, data: bytes, config: bigquery.LoadJobConfig) -> None:
         # Dropped first: one a crash left (it lives a day) may have an older schema, which
         # the emulator keeps through WRITE_TRUNCATE, and the MERGE then misses columns.
-        self.client.delete_table(staging, not_found_ok=True, retry=RETRY)
+        self.client.delete_table(staging, not_found_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S)
         job = self.client.load_table_from_file(
-            io.BytesIO(data), staging, job_config=config, rewind=True, location=self.location
+            io.BytesIO(data),
+            staging,
+            job_config=config,
+            rewind=True,
+            location=self.location,
+            timeout=CALL_TIMEOUT_S,
         )
-        job.result(retry=RETRY)
-        table = self.client.get_table(staging, retry=RETRY)
+        job.result(retry=RETRY, timeout=JOB_TIMEOUT_S)
+        table = self.client.get_table(staging, retry=RETRY, timeout=CALL_TIMEOUT_S)
         table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
-        self.client.update_table(table, ["expires"], retry=RETRY)
+        self.client.update_table(table, ["expires"], retry=RETRY, timeout=CALL_TIMEOUT_S)
 
     def _merge_sql(self, model: type[TableRow], scope: str, scope_column: str = "run_id") -> str:
         # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
@@ -289,8 +312,29 @@ class BigQuerySink:
     def _query(self, sql: str, run_id: str | None = None) -> Any:
         params = [bigquery.ScalarQueryParameter("run_id", "STRING", run_id)] if run_id else []
         config = bigquery.QueryJobConfig(query_parameters=params)
-        job = self.client.query(sql, job_config=config, location=self.location, retry=RETRY)
-        return job.result(retry=RETRY)
+        # job_retry=None: the library's job retry wraps RETRY in its own 600 s insert retry
+        # (and waits up to 2400 s on a failed job): a MERGE answered 500 went on silently
+        # for 15 minutes. A landing is safe to run again; RETRY bounds each call.
+        job = self.client.query(
+            sql,
+            job_config=config,
+            location=self.location,
+            retry=RETRY,
+            job_retry=None,
+            timeout=CALL_TIMEOUT_S,
+        )
+        return job.result(retry=RETRY, job_retry=None, timeout=JOB_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def _naming(place: str) -> Iterator[None]:
+    """Put `place` (the run, the table) in front of an API error's message, keeping its
+    type: the library's own names only a URL ("503 POST .../jobs?uploadType=resumable")."""
+    try:
+        yield
+    except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
+        exc.message = f"{place}: {exc.message}"
+        raise
 
 
 def _literal(run_id: str) -> str:

@@ -33,10 +33,12 @@ class Faults:
     def __init__(self, sink, monkeypatch) -> None:
         self.pending: list[tuple[str, str, object]] = []
         self.seen: list[tuple[str, str]] = []
+        self.timeouts: list[object] = []  # each request's own time limit
         real = sink.client._http.request
 
         def request(method, url, *args, **kwargs):
             self.seen.append((method, url))
+            self.timeouts.append(kwargs.get("timeout"))
             for i, (m, part, fault) in enumerate(self.pending):
                 if m == method and part in url:
                     del self.pending[i]
@@ -129,3 +131,49 @@ def test_a_staging_table_a_crash_left_with_an_older_schema_is_replaced(sink):
         "r1",
     )
     assert loss is not None
+
+
+def test_every_request_has_a_time_limit_and_a_hung_one_is_retried(sink, monkeypatch, fast_retry):
+    # The library sends requests with no timeout by default: a MERGE whose answer never
+    # came hung the landing for 11 minutes, until a SIGTERM (RETRY's deadline is only
+    # looked at between attempts, and there was no second attempt).
+    faults = Faults(sink, monkeypatch)
+    hung = requests.exceptions.ReadTimeout("read timed out")  # what a time limit gives
+    faults.pending = [("POST", "/jobs?prettyPrint", hung)]  # the MERGE's job insert
+    run, steps, evals = rows()
+
+    sink.land(run, steps, evals)
+
+    assert faults.pending == [] and count(sink, "step_metrics", "r1") == 5
+    unlimited = [seen for seen, t in zip(faults.seen, faults.timeouts, strict=True) if t is None]
+    assert unlimited == []
+
+
+def test_a_landing_failing_for_good_is_bounded_and_names_the_run_and_dataset(sink, monkeypatch):
+    # A MERGE answered 500 every time was retried silently for 878 s (the library's own
+    # job retry around RETRY), then failed naming only a URL.
+    import threading
+
+    monkeypatch.setattr(
+        bigquery_sink, "RETRY", bigquery_sink.RETRY.with_delay(0.01, 0.05).with_timeout(1.0)
+    )
+    sink.ensure_tables()
+    faults = Faults(sink, monkeypatch)
+    failing = _answer(500, "backendError", "Backend error")
+    faults.pending = [("POST", "/jobs?prettyPrint", failing) for _ in range(10_000)]
+    run, steps, evals = rows()
+    raised: list[BaseException] = []
+
+    def land() -> None:
+        try:
+            sink.land(run, steps, evals)
+        except BaseException as exc:  # the test looks at it
+            raised.append(exc)
+
+    worker = threading.Thread(target=land, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the landing was still retrying after 60 s"
+    (error,) = raised
+    assert isinstance(error, gexc.RetryError | gexc.InternalServerError)
+    assert f"landing run r1 into {sink.dataset}" in str(error)
