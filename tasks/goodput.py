@@ -89,10 +89,11 @@ class AttemptTimeline:
 
 
 def read_events(path: str | os.PathLike) -> list[dict]:
-    """Events in file order; a torn last line (a writer killed mid-line) is skipped."""
+    """Events in file order; a torn last line (a writer killed mid-line) is skipped, as
+    is any line that is not JSON (bytes that are not UTF-8 included)."""
     events = []
     try:
-        lines = epath.Path(path).read_text().splitlines()
+        lines = epath.Path(path).read_bytes().decode("utf-8", "replace").splitlines()
     except FileNotFoundError:
         return []
     for line in lines:

@@ -130,3 +130,10 @@ def test_steps_trained_again_after_the_final_checkpoint_was_quarantined_are_lost
     # attempt 2: first step at 35, one step a second to step 12
     assert result.seconds["productive"] == (14 - 5 if resumed else 0) + (12 - resumed - 1)
     assert result.seconds["lost"] == (17 - 14 if resumed else 17 - 5)
+
+
+def test_a_line_that_is_not_utf8_is_skipped_like_a_torn_one(tmp_path):
+    # `tpupipe report` crashed with a UnicodeDecodeError traceback on such a ledger.
+    ledger = tmp_path / "events.jsonl"
+    ledger.write_bytes(RECORDED.read_bytes() + b"\xff\xfe garbage\n")
+    assert read_events(ledger) == read_events(RECORDED)
