@@ -7,7 +7,6 @@ and the `reap-orphans` flow (flows/reaper.py) for an orchestrator that died outr
 
 from __future__ import annotations
 
-from contextlib import suppress
 from datetime import UTC, datetime
 
 from prefect import flow, runtime
@@ -18,7 +17,7 @@ from tasks.landing import land_failure, land_metrics, publish_summary
 from tasks.prepare import shard_dataset, validate_config
 from tasks.run_lock import run_held
 from tasks.teardown import delete_flow_run_slices
-from tasks.training import teardown_slice, train_with_retries
+from tasks.training import slice_torn_down, train_with_retries
 from workloads.config import PipelineConfig
 
 
@@ -40,17 +39,10 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
         try:
             config_path = shard_dataset(config, plan)
             verified = finished_training(config, plan)  # a rerun of a finished run
-            try:
+            # Torn down after a finished run too: a killed orchestrator may have left one.
+            with slice_torn_down(config, plan):
                 if verified is None:
                     train_with_retries(config)(config, plan, config_path)
-            except BaseException:
-                # A slice that will not go must not replace the cause (Ctrl-C, SIGTERM, a
-                # failed attempt): the crash hook and the reaper try the slice again.
-                with suppress(Exception):
-                    teardown_slice(config, plan)
-                raise
-            # After a finished run too: an orchestrator killed outright left its slice.
-            teardown_slice(config, plan)
             verified = verified or verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
         except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row

@@ -13,6 +13,8 @@ run name (after a failure, after a success, a sweep run again) appends to the sa
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 from prefect import Task, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
@@ -177,3 +179,21 @@ def teardown_slice(config: PipelineConfig, plan: RunPlan) -> bool:
         "slice %s %s", plan.slice_name, "deleted" if deleted else "was already gone"
     )
     return deleted
+
+
+@contextmanager
+def slice_torn_down(config: PipelineConfig, plan: RunPlan) -> Iterator[None]:
+    """Delete the run's slice once the block ends, however it ends.
+
+    A teardown failing after the block raised is logged by its task and never replaces
+    the block's error (Ctrl-C, SIGTERM, a failed attempt): the run would exit 1 instead of
+    143, its row name the SliceError and its crash hook not run. That hook and the reaper
+    try the slice again.
+    """
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):
+            teardown_slice(config, plan)
+        raise
+    teardown_slice(config, plan)
