@@ -11,6 +11,16 @@ from workloads.config_file import load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
+def cut_checkpoint_data(state_dir: Path) -> None:
+    """Cut every array data file of a checkpoint's `state` directory in half, as an
+    interrupted copy would leave them. Cutting only the biggest file is not enough: OCDBT
+    data files may end in bytes no longer referenced, so the cut can miss every array."""
+    data_files = [p for p in state_dir.glob("ocdbt.process_*/d/*") if p.is_file()]
+    assert data_files, f"no OCDBT data files under {state_dir}"
+    for path in data_files:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
 def tiny_config(root: Path, *overrides: str) -> PipelineConfig:
     """configs/tiny.yaml with its storage under `root` and any `key=value` overrides."""
     return load_config(REPO / "configs" / "tiny.yaml", [f"storage.root={root}", *overrides])

@@ -21,7 +21,13 @@ import pytest
 from infra.metrics import DuckDBSink
 from infra.slices import build_provider
 from tasks.goodput import read_events
-from tests.helpers import REPO, group_alive, processes_mentioning, tiny_config
+from tests.helpers import (
+    REPO,
+    cut_checkpoint_data,
+    group_alive,
+    processes_mentioning,
+    tiny_config,
+)
 from workloads.rundir import RunDir
 
 pytestmark = pytest.mark.chaos
@@ -230,13 +236,7 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(refere
         )
     checkpoints = root / "runs" / name / "checkpoints"
     newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    # Every array data file cut in half, as an interrupted copy would leave them. (Cutting
-    # only the biggest is not enough: OCDBT files may end in data no longer referenced.)
-    state = checkpoints / str(newest) / "state"
-    data_files = [p for p in state.glob("ocdbt.process_*/d/*") if p.is_file()]
-    assert data_files
-    for path in data_files:
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    cut_checkpoint_data(checkpoints / str(newest) / "state")
 
     run = run_flow(root, name)  # the same run, resumed
     assert run.status == "completed" and run.params_sha256 == ref.params_sha256

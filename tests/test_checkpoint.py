@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import cut_checkpoint_data
 from workloads import checkpoint
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
 from workloads.step_metrics import NonFiniteError
@@ -123,9 +124,7 @@ def _restore_newest(run_dir, arrays, config_hash="h1"):
 def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(tmp_path, state):
     save(tmp_path, 5, state.arrays)
     save(tmp_path, 10, state.arrays)
-    files = [p for p in (tmp_path / "checkpoints" / "10" / "state").rglob("*") if p.is_file()]
-    biggest = max(files, key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    cut_checkpoint_data(tmp_path / "checkpoints" / "10" / "state")
 
     step, arrays, data_state = _restore_newest(tmp_path, state.arrays)
     assert step == 5 and data_state == {"next_index": 40}

@@ -14,7 +14,7 @@ import pytest
 
 from infra.metrics import DuckDBSink
 from tasks.goodput import read_events
-from tests.helpers import processes_mentioning, tiny_config
+from tests.helpers import cut_checkpoint_data, processes_mentioning, tiny_config
 from workloads import checkpoint, data
 
 pytestmark = pytest.mark.integration
@@ -157,9 +157,7 @@ def test_rerun_with_same_name_resumes_and_lands_once(tiny_run):
     assert n == distinct
 
 
-def test_a_rerun_of_a_finished_run_deletes_the_slice_a_killed_orchestrator_left(
-    tiny_run, tmp_path
-):
+def test_a_rerun_of_a_finished_run_deletes_the_slice_a_killed_orchestrator_left(tiny_run, tmp_path):
     # An orchestrator killed outright (SIGKILL, OOM) leaves its slice; its workload may
     # train on to the end alone. The rerun found training finished and skipped the
     # training stage, teardown included: on GCP the TPU VM stayed up until the reaper.
@@ -194,8 +192,7 @@ def test_a_rerun_whose_final_checkpoint_is_corrupt_trains_its_last_steps_again(
     config = tiny_config(tmp_path, "run_name=corrupt")
     first = tpu_training_pipeline(config=config)
     final = Path(first.run_dir) / "checkpoints" / str(config.train.steps) / "state"
-    biggest = max((p for p in final.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    cut_checkpoint_data(final)
 
     again = tpu_training_pipeline(config=config)
     assert again.status == "completed" and again.final_step == config.train.steps
