@@ -31,6 +31,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import bigquery
 
+from infra.gcp.retries import logged_retry
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -60,7 +61,8 @@ _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 # limits (e.g. too many updates of one table's metadata) with 403 rateLimitExceeded, which
 # a status-code list cannot tell from 403 accessDenied, and a connection reset is no API
 # error at all. Permanent errors (400, 403 accessDenied, 404) are not retried.
-RETRY = bigquery.DEFAULT_RETRY.with_delay(initial=1.0, maximum=30.0).with_timeout(300.0)
+# (`_predicate`: the library gives no public accessor, and its own `Retry` cannot log.)
+RETRY = logged_retry("BigQuery call failed", bigquery.DEFAULT_RETRY._predicate)
 # Each HTTP request's own limit: the library's default is none, so a request whose answer
 # never came hung a landing for good (RETRY's deadline is only checked between attempts).
 CALL_TIMEOUT_S = 60.0

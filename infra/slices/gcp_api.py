@@ -18,6 +18,7 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2
 
+from infra.gcp.retries import logged_retry
 from infra.slices.base import ProvisioningError, SliceError
 from infra.slices.gcp_node import MD_EXIT_URI, MD_HOSTS, TpuSettings
 
@@ -31,8 +32,9 @@ _UNANSWERED = (
 )
 # Transient failures of a single call; retried by google-api-core with backoff. 429 (rate
 # limit) is transient for reads and deletes; for creates it means quota, handled apart.
-TRANSIENT = gretry.Retry(
-    predicate=gretry.if_exception_type(
+TRANSIENT = logged_retry(
+    "TPU API call failed",
+    gretry.if_exception_type(
         gexc.ServiceUnavailable,
         gexc.InternalServerError,
         gexc.BadGateway,
@@ -40,20 +42,13 @@ TRANSIENT = gretry.Retry(
         gexc.TooManyRequests,
         *_UNANSWERED,
     ),
-    initial=1.0,
-    maximum=30.0,
-    timeout=300.0,
 )
 # A create is keyed by its node id, so retrying it cannot duplicate anything (a create that
 # did arrive answers 409 and is adopted); 429 is not in this list because it means quota,
 # which the provisioning loop backs off from.
-CREATE_RETRY = gretry.Retry(
-    predicate=gretry.if_exception_type(
-        gexc.ServiceUnavailable, gexc.InternalServerError, *_UNANSWERED
-    ),
-    initial=1.0,
-    maximum=30.0,
-    timeout=300.0,
+CREATE_RETRY = logged_retry(
+    "TPU create call failed",
+    gretry.if_exception_type(gexc.ServiceUnavailable, gexc.InternalServerError, *_UNANSWERED),
 )
 
 

@@ -1,0 +1,76 @@
+"""The project's own module logs reach the flow run's logs in the Prefect API (the UI),
+and the Google API retries say what they retry. Before, a TPU create retried per zone or a
+BigQuery call answered 503 again and again showed nothing in the UI until it gave up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import warnings
+
+from google.api_core import exceptions as gexc
+
+import flows  # noqa: F401 (importing the flows package routes the module logs)
+from infra.gcp.retries import logged_retry
+
+
+def _api_logs(flow_run_id) -> list[tuple[str, str]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+            return await client.read_logs(flt)
+
+    return [(log.name, log.message) for log in asyncio.run(read())]
+
+
+def test_a_retried_google_call_is_logged_in_its_flow_run(prefect_harness):
+    from prefect import flow, task
+    from prefect.context import get_run_context
+
+    answers = [gexc.ServiceUnavailable("backend busy"), "done"]
+
+    def call():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    retry = logged_retry(
+        "TPU API call failed", lambda e: isinstance(e, gexc.ServiceUnavailable), initial=0.01
+    )
+
+    @task
+    def provision():
+        assert retry(call)() == "done"
+        logging.getLogger("infra.slices.gcp").info("deleting PREEMPTED slice s before re-creating")
+        return get_run_context().task_run.flow_run_id
+
+    @flow
+    def pipeline():
+        return provision()
+
+    flow_run_id = pipeline()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        logs = _api_logs(flow_run_id)
+        if any(name == "infra.slices.gcp" for name, _ in logs):
+            break
+        time.sleep(0.5)
+    assert (
+        "infra.retries",
+        "TPU API call failed: 503 backend busy; retrying (for up to 300 s)",
+    ) in logs
+    assert ("infra.slices.gcp", "deleting PREEMPTED slice s before re-creating") in logs
+
+
+def test_module_logs_outside_a_run_are_kept_without_a_warning(caplog):
+    # `tpupipe shard` or `tpupipe report` log outside any flow run: Prefect's own API
+    # handler would warn there that it has no flow run to send the line to.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logging.getLogger("workloads.checkpoint").warning("checkpoint step 4 quarantined")
+    assert "checkpoint step 4 quarantined" in caplog.messages
