@@ -2,8 +2,10 @@
 
 Retries are Prefect's: `train_attempt` is retried only on `WorkloadPreempted` (budget
 `resilience.max_preemptions`), `provision_slice` only on `ProvisioningError` (budget
-`resilience.max_failures`, exponential backoff with jitter). Every other error fails the
-run at once. Each attempt holds a lease on the run directory and records its events.
+`resilience.max_failures`, exponential backoff with jitter). An attempt whose workload
+never started on its READY slice is retried within both budgets: it failed to come up, as a
+create can. Every other error fails the run at once. Each attempt holds a lease on the run
+directory and records its events.
 
 Attempts are numbered from the run's ledger, not by Prefect's retry count: a rerun of the
 run name (after a failure, after a success, a sweep run again) appends to the same
@@ -25,7 +27,14 @@ from tasks.attempts import next_attempt
 from tasks.goodput import read_events
 from tasks.plan import RunPlan, slice_labels
 from tasks.progress import TrainingProgress, progress_key
-from tasks.watch import TrainOutcome, WatchSettings, WorkloadPreempted, watch_slice
+from tasks.watch import (
+    TrainOutcome,
+    WatchSettings,
+    WorkloadFailed,
+    WorkloadNeverStarted,
+    WorkloadPreempted,
+    watch_slice,
+)
 from workloads.config import PipelineConfig
 from workloads.events import EVENTS, EventLog, grant_lease, new_lease
 from workloads.rundir import RunDir
@@ -49,6 +58,15 @@ def budget_spent(retries: int) -> bool:
     """Whether the running task's try is its last: its error ends the run, so the message
     says which budget ran out instead of only what happened this time."""
     return runtime.task_run.run_count > retries
+
+
+def never_started(plan: RunPlan) -> int:
+    """Attempts of this invocation (flow run) whose workload never started."""
+    return sum(
+        1
+        for e in read_events(f"{plan.run_dir}/{EVENTS}")
+        if e.get("never_started") and e.get("invocation") == plan.flow_run_id
+    )
 
 
 def _retry_on(*kinds: type[BaseException]):
@@ -123,11 +141,32 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         )
         progress = TrainingProgress(config.train.steps, progress_key(plan.run_id))
         outcome = watch_slice(
-            provider, name, RunDir(plan.run_dir), settings, logger.info, progress.update
+            provider,
+            name,
+            RunDir(plan.run_dir),
+            settings,
+            logger.info,
+            progress.update,
+            attempt=attempt,
         )
         events.emit("attempt_ended", outcome="completed")
         logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)
         return outcome
+    except WorkloadNeverStarted as exc:
+        # Not a preemption: the slice was fine, its start-up was not. Retried like a failed
+        # create, on that smaller budget: re-creating it 21 times on the preemption budget
+        # billed 21 slices for 10.5 minutes each, for a wheel the workers could not fetch.
+        reason = f"{exc}: its start-up failed or hangs; see {plan.run_dir}/logs/"
+        events.emit("attempt_ended", outcome="failed", reason=reason, never_started=True)
+        logger.warning("attempt %d: %s", attempt, reason)
+        tries = never_started(plan)
+        if tries > res.max_failures or budget_spent(res.max_preemptions):
+            raise WorkloadFailed(
+                f"{reason} ({tries} attempt(s) of this run never started; retried within "
+                f"resilience.max_failures = {res.max_failures} and "
+                f"resilience.max_preemptions = {res.max_preemptions})"
+            ) from exc
+        raise
     except WorkloadPreempted as exc:
         events.emit("attempt_ended", outcome="preempted", reason=str(exc))
         logger.warning("attempt %d preempted: %s", attempt, exc)

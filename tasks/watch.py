@@ -3,6 +3,10 @@
 - `WorkloadPreempted`: the slice was PREEMPTED/TERMINATED/lost, the workload exited with
   its "preempted" code after a SIGTERM, or the heartbeat stayed silent past the timeout
   and a second look confirmed it. Retried: re-provision and resume.
+- `WorkloadNeverStarted`, a kind of `WorkloadPreempted`: the slice stayed READY but this
+  attempt's workload never wrote a heartbeat. Its start-up failed or hangs (a wheel it
+  cannot download, workers with no route to storage, a host that never joined): a new
+  slice rarely fares better, so these are retried on the smaller `max_failures` budget.
 - `ProvisioningError` (from infra): no capacity or quota. Retried with backoff.
 - `WorkloadFailed`: any other exit. A bug: never retried.
 
@@ -31,6 +35,10 @@ class WorkloadFailed(RuntimeError):
 
 class WorkloadPreempted(RuntimeError):
     """The attempt was lost to the platform; the run resumes in a new attempt."""
+
+
+class WorkloadNeverStarted(WorkloadPreempted):
+    """The slice is READY, but its workload never wrote a heartbeat in this attempt."""
 
 
 class WatchStopped(RuntimeError):
@@ -72,16 +80,22 @@ def watch_slice(
     on_heartbeat: Callable[[dict], None] | None = None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    attempt: int | None = None,
 ) -> TrainOutcome:
     """Wait until the workload on slice `name` exits.
 
+    `attempt` tells this attempt's heartbeats from an earlier one's left in the run
+    directory; without it (or from a workload that does not write it), a heartbeat
+    written after the watch started is this attempt's.
+
     Raises:
+        WorkloadNeverStarted: the slice stayed READY and its workload never beat.
         WorkloadPreempted: the attempt was lost (see the module docstring).
         WorkloadFailed: the workload exited with an error.
         WatchStopped: `STOPPING` was set.
     """
     started = clock()
-    last_step, suspect_since, failing_since = None, None, None
+    last_step, suspect_since, failing_since, heard = None, None, None, False
     stopping = STOPPING.get()
     while True:
         if stopping is not None and stopping.is_set():
@@ -111,6 +125,7 @@ def watch_slice(
             sleep(settings.poll_s)
             continue
         heartbeat = run_dir.read_status() or {}
+        heard = heard or _ours(heartbeat, attempt, started)
         step = heartbeat.get("step")
         if step != last_step and step is not None:
             log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
@@ -127,6 +142,12 @@ def watch_slice(
         elif suspect_since is None:
             suspect_since = clock()  # first look: maybe a slow status write; look again
         elif clock() - suspect_since >= settings.confirm_s:
+            if not heard and status.state == SliceState.READY:
+                raise WorkloadNeverStarted(
+                    f"the workload on slice {name} never started: no heartbeat in "
+                    f"{silent:.0f}s (slice.heartbeat_timeout_s = "
+                    f"{settings.heartbeat_timeout_s:.0f}) while the slice was READY"
+                )
             raise WorkloadPreempted(
                 f"no heartbeat from slice {name} for {silent:.0f}s (slice.heartbeat_timeout_s "
                 f"= {settings.heartbeat_timeout_s:.0f}, confirmed after "
@@ -134,6 +155,13 @@ def watch_slice(
             )
         sleep(settings.poll_s)
     return _ended(name, status.exit_code, run_dir.read_status() or {}, clock() - started)
+
+
+def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:
+    """Whether `heartbeat` was written by this attempt's workload."""
+    if attempt is not None and "attempt" in heartbeat:
+        return heartbeat["attempt"] == attempt
+    return heartbeat.get("time", float("-inf")) >= started
 
 
 def _ended(name: str, code: int | None, final: dict, seconds: float) -> TrainOutcome:

@@ -58,7 +58,8 @@ class ResilienceConfig(_Strict):
         3,
         ge=0,
         description="Failed slice creates (capacity, quota) retried with backoff before the "
-        "run fails. A workload bug is never retried.",
+        "run fails; also the attempts whose workload never started on a READY slice. A "
+        "workload bug is never retried.",
     )
     backoff_s: Float = Field(
         10.0,

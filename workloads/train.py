@@ -123,7 +123,8 @@ class _Reporter:
     def status(self, phase: str, **fields: Any) -> None:
         if self.primary:
             self.events.check_lease()
-            self.rd.write_status(phase, **fields)
+            # The attempt tells the orchestrator this attempt's heartbeat from the last one's.
+            self.rd.write_status(phase, attempt=self.events.attempt, **fields)
         self.last_status = time.monotonic()
 
     def silent_for(self) -> float:

@@ -1,0 +1,106 @@
+"""A slice that stays READY while its workload never starts is not a preemption.
+
+The start-up of a slice can fail where nothing reports it (a wheel the workers cannot
+download, no route to storage, a host that never joins): the heartbeat stays silent. That
+was taken for a preemption, so the run re-created the slice up to `max_preemptions` (20)
+times, each for the whole heartbeat timeout (10.5 minutes by default).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from infra.slices import SliceState, SliceStatus
+from tasks.watch import WatchSettings, WorkloadNeverStarted, WorkloadPreempted, watch_slice
+from tests.helpers import tiny_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Ready:
+    def status(self, name: str) -> SliceStatus:
+        return SliceStatus(name, SliceState.READY, None)
+
+
+class Heartbeats:
+    """The status file: `beats(now)` is what it holds at that time."""
+
+    def __init__(self, beats) -> None:
+        self.beats, self.clock = beats, None
+
+    def read_status(self) -> dict | None:
+        return self.beats(self.clock.now)
+
+
+def watch(beats, attempt: int | None = 2):
+    clock = Clock()
+    run_dir = Heartbeats(beats)
+    run_dir.clock = clock
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    return watch_slice(
+        Ready(), "s", run_dir, settings, lambda m: None, None, clock, clock.sleep, attempt
+    )
+
+
+def test_a_ready_slice_whose_workload_never_beats_never_started():
+    # The last attempt's heartbeat is still in the run directory: it is not this one's.
+    with pytest.raises(WorkloadNeverStarted, match=r"never started: no heartbeat in 6\d\ds"):
+        watch(lambda now: {"phase": "preempted", "attempt": 1, "time": 990.0, "step": 40})
+
+
+def test_a_stale_heartbeat_without_an_attempt_is_told_by_its_time():
+    with pytest.raises(WorkloadNeverStarted):
+        watch(lambda now: {"phase": "training", "time": 990.0, "step": 40}, attempt=None)
+
+
+def test_a_workload_that_beat_and_went_silent_was_preempted():
+    def beats(now):  # beats for two minutes, then nothing
+        return {"phase": "training", "attempt": 2, "time": min(now, 1120.0), "step": 3}
+
+    with pytest.raises(WorkloadPreempted) as raised:
+        watch(beats)
+    assert not isinstance(raised.value, WorkloadNeverStarted)
+    assert "no heartbeat" in str(raised.value)
+
+
+def test_an_attempt_whose_workload_never_starts_is_retried_on_the_failure_budget(
+    tmp_path, prefect_harness, monkeypatch
+):
+    import tasks.training
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.goodput import read_events
+    from tasks.watch import WorkloadFailed
+
+    # A slice whose job never gets as far as the workload: READY, and silent.
+    monkeypatch.setattr(
+        tasks.training,
+        "workload_command",
+        lambda path: [sys.executable, "-c", "import time; time.sleep(600)", path],
+    )
+    config = tiny_config(
+        tmp_path,
+        "run_name=silent",
+        "slice.heartbeat_timeout_s=1",
+        "slice.poll_interval_s=0.2",
+        "resilience.heartbeat_confirm_s=0",
+        "resilience.max_failures=1",
+        "resilience.max_preemptions=5",
+    )
+    with pytest.raises(WorkloadFailed, match=r"never started.*resilience.max_failures = 1"):
+        tpu_training_pipeline(config=config)
+    events = read_events(tmp_path / "runs" / "silent" / "events.jsonl")
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert [(e["attempt"], e["outcome"]) for e in ended] == [(1, "failed"), (2, "failed")]
+    assert all(e["never_started"] for e in ended)
+    assert list((tmp_path / "slices").glob("*.json")) == []
