@@ -1,9 +1,9 @@
 """`tpupipe`: run the pipeline locally from a config file.
 
-    tpupipe run --config configs/demo.yaml --set train.steps=50
-    tpupipe validate --config configs/demo.yaml
-    tpupipe shard --source corpus/ --out .tpupipe/datasets
-    tpupipe report demo
+tpupipe run --config configs/demo.yaml --set train.steps=50
+tpupipe validate --config configs/demo.yaml
+tpupipe shard --source corpus/ --out .tpupipe/datasets
+tpupipe report demo
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return _validate(args.config, config, price)
     _prefect_defaults()
+    from flows.api_server import temporary_api
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
     from tasks.prepare import DatasetError
     from tasks.run_lock import RunInUse
 
     try:
-        run = tpu_training_pipeline(config=config)
+        with temporary_api(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])):
+            run = tpu_training_pipeline(config=config)
     except (ConfigError, DatasetError) as exc:
         # The config or its input must change (the flow raises these before provisioning).
         print(f"invalid config or input:\n{exc}", file=sys.stderr)

@@ -24,7 +24,6 @@ from tasks.goodput import read_events
 from tests.helpers import (
     REPO,
     cut_checkpoint_data,
-    group_alive,
     processes_mentioning,
     tiny_config,
 )
@@ -174,8 +173,7 @@ def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
     try:
         _kill_the_orchestrator_then_reap(orchestrator, tmp_path)
     finally:
-        # SIGKILL spares the orchestrator's server subprocess: end it with its group. The
-        # slice runs in a process group of its own, which this does not touch.
+        # The slice runs in a process group of its own, which this does not touch.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)
 
@@ -183,8 +181,14 @@ def test_a_killed_orchestrator_leaves_a_slice_that_one_reaper_run_deletes(
 def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: Path) -> None:
     from flows.reaper import reap_orphans
 
+    servers = _api_servers(orchestrator.pid)
     orchestrator.send_signal(signal.SIGKILL)  # no finally, no hooks: only the reaper is left
     orchestrator.wait()
+    # Its temporary API server goes with it (it was left running with no parent).
+    deadline = time.monotonic() + 30
+    while [pid for pid in servers if Path(f"/proc/{pid}").exists()]:
+        assert time.monotonic() < deadline, "the API server outlived a killed run"
+        time.sleep(0.1)
     config_path = str(tmp_path / "runs" / "orphan" / "config.json")
     assert processes_mentioning(config_path), "the slice should have outlived its orchestrator"
 
@@ -199,22 +203,64 @@ def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: P
     assert reap_orphans(config=config) == []  # idempotent
 
 
-def test_sigterm_to_the_orchestrator_ends_its_slice_and_its_api_server(tmp_path, prefect_harness):
+def _api_servers(pid: int) -> list[int]:
+    """Live `prefect server` processes started by `pid` (its slice's processes are not)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if stat[1] == str(pid) and stat[0] != "Z" and b"prefect\0server" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _flow_run_states(prefect_home: Path) -> list[str]:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(prefect_home / "prefect.db")) as db:
+        return [row[0] for row in db.execute("SELECT state_type FROM flow_run")]
+
+
+@pytest.mark.parametrize(
+    ("group", "sig"),
+    [(False, signal.SIGTERM), (True, signal.SIGTERM), (True, signal.SIGINT)],
+    ids=["sigterm", "sigterm-to-group", "sigint-to-group"],
+)
+def test_a_signal_ends_the_run_its_slice_and_its_api_server(tmp_path, prefect_harness, group, sig):
     # What docker stop, systemd, Kubernetes and CI time-outs send. The orchestrator once
-    # died of it at once and left its temporary Prefect server running with no parent.
-    orchestrator = _orchestrator(tmp_path, "term")
+    # died of a SIGTERM at once and left its temporary Prefect server running with no
+    # parent. Ctrl-C in a terminal (SIGINT), systemd, `timeout` and CI time-outs signal
+    # every process of the group: Prefect's own temporary server, a child in that group,
+    # died at once, so the flow run stayed Running, and a SIGTERM ended the run with exit
+    # 1 ("ConnectError: Connection refused") about 135 s later instead of 143.
+    name = f"{'group-' if group else ''}{sig.name.lower()}"
+    orchestrator = _orchestrator(tmp_path, name)
     try:
-        orchestrator.send_signal(signal.SIGTERM)
-        assert orchestrator.wait(timeout=120) == 128 + signal.SIGTERM
-        config_path = str(tmp_path / "runs" / "term" / "config.json")
+        servers = _api_servers(orchestrator.pid)
+        assert servers, "no API server started by the run"
+        if group:
+            os.killpg(orchestrator.pid, sig)
+        else:
+            orchestrator.send_signal(sig)
+        code = orchestrator.wait(timeout=90)
+        assert code == (128 + sig if sig == signal.SIGTERM else -sig)
+        assert _flow_run_states(tmp_path / "prefect-home") == ["CRASHED"]
+        config_path = str(tmp_path / "runs" / name / "config.json")
         deadline = time.monotonic() + 30
-        while group_alive(orchestrator.pid) or processes_mentioning(config_path):
-            assert time.monotonic() < deadline, "the API server or the slice outlived the run"
+        while processes_mentioning(config_path):
+            assert time.monotonic() < deadline, "the slice outlived the run"
+            time.sleep(0.1)
+        while [pid for pid in servers if Path(f"/proc/{pid}").exists()]:
+            assert time.monotonic() < deadline, "the API server outlived the run"
             time.sleep(0.1)
         assert build_provider("local", str(tmp_path)).list() == []
-        sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))  # and it still landed its row
-        ((status, error),) = sink.query("SELECT status, error FROM runs WHERE run_id = 'term'")
-        assert status == "failed" and "SIGTERM" in error
+        sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+        ((status, error),) = sink.query(f"SELECT status, error FROM runs WHERE run_id = '{name}'")
+        said = "SIGTERM" if sig == signal.SIGTERM else "KeyboardInterrupt"
+        assert status == "failed" and said in error, error
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)

@@ -1,0 +1,104 @@
+"""The temporary Prefect API server of a `tpupipe run` that has no API configured.
+
+Prefect starts one by itself (its "ephemeral" server), but as a child in the caller's
+process group: a Ctrl-C in the terminal, or a SIGTERM to the group (what systemd, a CI
+time-out or `timeout` send), killed the server at the same moment as the run. The run's
+own shutdown then had no API to report to: its flow run stayed Running instead of
+Crashed, and the command exited 1 with "ConnectError: Connection refused" some 135 s
+later, instead of 143 at once. This server runs in a session of its own, so only the run
+stops it, once it has reported; and it dies with the run if the run is killed outright
+(`PR_SET_PDEATHSIG`), where Prefect's own was left running with no parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child, between fork and exec
+    with contextlib.suppress(Exception):  # not Linux: the server may outlive a SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def temporary_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
+    """Run the block against a temporary local Prefect API, unless one is configured
+    (`PREFECT_API_URL`): then yield None and start nothing. Yields the API's URL.
+
+    Raises:
+        RuntimeError: the server did not answer within `startup_timeout_s`, with the end
+            of its error output.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield None
+        return
+    port = _free_port()
+    errors = tempfile.TemporaryFile()  # noqa: SIM115 (read if the server fails)
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "prefect", "server", "start"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--no-services", "--no-ui", "--log-level", "error"),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
+        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    # Stopped at exit, not when the block ends: Prefect sends the run's last logs and
+    # events from threads it drains at interpreter exit, before `atexit` functions
+    # run. Stopped earlier, those sends retried a vanished server for ~70 s.
+    atexit.register(_stop, server)
+    url = f"http://127.0.0.1:{port}/api"
+    _wait_until_up(server, url, startup_timeout_s, errors)
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _wait_until_up(server: subprocess.Popen, url: str, timeout_s: float, errors) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    errors.seek(0)
+    tail = errors.read().decode("utf-8", "replace")[-2000:]
+    how = f"exited with code {server.poll()}" if server.poll() is not None else "never answered"
+    raise RuntimeError(
+        f"the temporary Prefect API server on {url} {how} within {timeout_s:.0f}s "
+        f"(set PREFECT_API_URL to use a running server instead): {tail}"
+    )
