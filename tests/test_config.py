@@ -217,3 +217,15 @@ def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp
     (corpus / "2.txt").write_text("edited in place")
     with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
         check_inputs(cfg, plan_run(cfg))
+
+
+def test_a_wheel_uri_without_a_bucket_is_refused_naming_slice_wheel(tmp_path, capsys):
+    # It passed validation and reached the slice, whose start-up failed with exit 127.
+    text = (
+        "slice: {provider: gcp, zone: us-west4-a, accelerator_type: v5litepod-8, "
+        "runtime_version: v2-alpha-tpuv5-lite, wheel: 'gs:///x.whl'}\n"
+        f"storage: {{root: {tmp_path / 'root'}}}\n"
+    )
+    assert cli_main(["validate", "--config", str(write(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert "slice.wheel 'gs:///x.whl' names no bucket" in err and ":1:" in err

@@ -168,6 +168,8 @@ class SliceConfig(_Strict):
             )
         if not (self.wheel.startswith("gs://") and self.wheel.endswith(".whl")):
             raise ValueError(f"slice.wheel {self.wheel!r} must be a gs://…/*.whl URI")
+        if not self.wheel[5:].split("/", 1)[0]:
+            raise ValueError(f"slice.wheel {self.wheel!r} names no bucket (gs://bucket/….whl)")
         return self
 
 
