@@ -154,7 +154,10 @@ def watch_slice(
                 f"{settings.confirm_s:.0f}s); last phase {heartbeat.get('phase')!r}"
             )
         sleep(settings.poll_s)
-    return _ended(name, status.exit_code, run_dir.read_status() or {}, clock() - started)
+    final = run_dir.read_status() or {}
+    if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
+        final = {**final, "error": status.failure}
+    return _ended(name, status.exit_code, final, clock() - started)
 
 
 def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:

@@ -145,12 +145,15 @@ class SliceStatus:
         exit_code: the workload's exit code when known (negative: killed by that signal);
             None while running or when the provider cannot know it.
         labels: the slice's labels.
+        failure: why the workload failed, when the provider knows more than its exit code
+            (a worker that failed in its start-up script, before the workload ran).
     """
 
     name: str
     state: SliceState
     exit_code: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    failure: str | None = None
 
 
 @runtime_checkable

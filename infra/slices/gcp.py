@@ -47,7 +47,7 @@ from infra.slices.gcp_api import (
     CapacityError,
     TpuPermissionError,
     call,
-    exit_code,
+    exit_status,
     permission_error,
     spot_request,
     wait_op,
@@ -171,9 +171,9 @@ class GcpSliceProvider:
         _, node = found
         state, labels = SliceState(protocol_state(node.state)), dict(node.labels)
         if state is SliceState.READY:
-            code = exit_code(self.storage, node)
-            if code is not None:
-                return SliceStatus(name, SliceState.TERMINATED, code, labels)
+            ended = exit_status(self.storage, node)
+            if ended is not None:
+                return SliceStatus(name, SliceState.TERMINATED, ended[0], labels, ended[1])
         return SliceStatus(name, state, None, labels)
 
     def delete(self, name: str, grace_s: float = 5.0) -> bool:

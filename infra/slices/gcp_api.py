@@ -20,7 +20,7 @@ from google.protobuf import duration_pb2
 
 from infra.gcp.retries import logged_retry
 from infra.slices.base import ProvisioningError, SliceError
-from infra.slices.gcp_node import MD_EXIT_URI, MD_HOSTS, TpuSettings
+from infra.slices.gcp_node import MD_EXIT_URI, MD_HOSTS, MD_WHEEL, TpuSettings
 
 # A call that never got an answer: the connection was reset or dropped mid-answer, or the
 # token refresh could not reach its server. Not API errors, so no status code names them
@@ -116,9 +116,10 @@ def spot_request(parent: str, name: str, node: tpu_v2.Node, timeout_s: float):
     )
 
 
-def exit_code(storage: Any, node: tpu_v2.Node) -> int | None:
+def exit_status(storage: Any, node: tpu_v2.Node) -> tuple[int, str | None] | None:
     """The workload's exit code once every worker left an exit record in GCS (or one
-    failed); None while some are still running, or without a storage client."""
+    failed), with what failed when a record says more than its code (`startup_failure`);
+    None while some are still running, or without a storage client."""
     uri = node.metadata.get(MD_EXIT_URI)
     if not uri or storage is None:
         return None
@@ -128,7 +129,7 @@ def exit_code(storage: Any, node: tpu_v2.Node) -> int | None:
         for blob in call(storage.list_blobs, bucket, prefix=prefix.rstrip("/") + "/"):
             if blob.name.endswith(".json"):
                 record = json.loads(blob.download_as_bytes(retry=TRANSIENT))
-                records[int(record["worker"])] = int(record["exit_code"])
+                records[int(record["worker"])] = record
     except gexc.Forbidden as e:
         # Not a Forbidden: the provider would take it for the TPU API's and name its role.
         raise SliceError(
@@ -136,10 +137,23 @@ def exit_code(storage: Any, node: tpu_v2.Node) -> int | None:
             f"{e.message}. Grant the orchestrator's identity roles/storage.objectViewer "
             f"on gs://{bucket}"
         ) from e
-    failed = [code for _, code in sorted(records.items()) if code != 0]
-    if failed:
-        return failed[0]  # one dead worker stalls the rest in their collectives
-    return 0 if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
+    failed = [r for _, r in sorted(records.items()) if int(r["exit_code"]) != 0]
+    if failed:  # one dead worker stalls the rest in their collectives
+        return int(failed[0]["exit_code"]), startup_failure(failed[0], node)
+    return (0, None) if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
+
+
+def startup_failure(record: dict, node: tpu_v2.Node) -> str | None:
+    """What a worker whose start-up script failed (its record's stage "startup") was
+    doing: the workload never ran, so no log of it exists to point at."""
+    if record.get("stage") != "startup":
+        return None
+    return (
+        f"worker {record.get('worker')} failed during start-up (downloading the wheel "
+        f"{node.metadata.get(MD_WHEEL)} of slice.wheel, or installing it with "
+        "slice.tpu_packages), before the workload started: see the worker's start-up "
+        "script log (`journalctl -u google-startup-scripts` on the TPU VM)"
+    )
 
 
 def permission_error(what: str, settings: TpuSettings, exc: gexc.Forbidden) -> TpuPermissionError:

@@ -272,3 +272,34 @@ def test_exit_records_in_gcs_turn_a_ready_node_terminated(fake_tpu, gcs_client, 
     record(1, 75)
     status = provider.status("tpupipe-r1")
     assert (status.state, status.exit_code) == (SliceState.TERMINATED, 75)
+
+
+def test_a_worker_failing_in_its_start_up_script_is_reported_as_such(
+    fake_tpu, gcs_client, bucket, tmp_path
+):
+    # It read "exited with code 127: see the slice log", naming neither slice.wheel nor
+    # the URI, though the script's record says it failed in start-up (no slice log exists).
+    from tasks.watch import WatchSettings, WorkloadFailed, watch_slice
+    from workloads.rundir import RunDir
+
+    fake, host = fake_tpu
+    provider = make_provider(host, storage=gcs_client)
+    s = spec()
+    s = SliceSpec(**{**s.__dict__, "log_path": f"gs://{bucket}/runs/r1/logs/tpupipe-r1.log"})
+    provider.create(s)
+    exit_uri = fake.nodes[("us-west4-a", "tpupipe-r1")]["metadata"]["tpupipe-exit-uri"]
+    record = {"worker": 0, "exit_code": 127, "stage": "startup"}  # STARTUP_SCRIPT's ERR trap
+    blob = gcs_client.bucket(bucket).blob(
+        f"{exit_uri.removeprefix(f'gs://{bucket}/')}/worker-0.json"
+    )
+    blob.upload_from_string(json.dumps(record))
+
+    with pytest.raises(WorkloadFailed) as err:
+        watch_slice(
+            provider, "tpupipe-r1", RunDir(str(tmp_path)), WatchSettings(0.01, 60, 0), print
+        )
+    message = str(err.value)
+    assert "code 127" in message and "failed during start-up" in message
+    assert (
+        "slice.wheel" in message and "gs://bucket/wheels/tpupipe-0.1.0-py3-none-any.whl" in message
+    )
