@@ -109,12 +109,17 @@ class GCSStorage:
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Objects whose name starts with the prefix's path, sorted by URI."""
+        from google.api_core import exceptions
+
         bucket, name = _split(prefix)
         blobs = self.client.list_blobs(bucket, prefix=name or None)
-        return sorted(
-            (ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size), int(b.generation)) for b in blobs),
-            key=lambda o: o.uri,
-        )
+        try:
+            found = [
+                ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size), int(b.generation)) for b in blobs
+            ]
+        except exceptions.NotFound:  # a listing 404s only for its bucket; the raw error was a URL
+            raise FileNotFoundError(f"bucket {bucket} does not exist") from None
+        return sorted(found, key=lambda o: o.uri)
 
     def open(self, uri: str, generation: int | None = None) -> BinaryIO:
         """A streaming reader of the object (of exactly `generation` when given)."""

@@ -14,6 +14,7 @@ from prefect.cache_policies import NONE
 from infra.storage import source_storage
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from tasks.pricing import price_for
+from tasks.remote import check_gcs_places, publish_dataset
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.config_file import ConfigError
@@ -164,7 +165,8 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
 @task(name="validate-config", cache_policy=NONE)
 def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Checks that cost nothing: field and cross-field rules (already enforced when the
-    config was built), that every source resolves, that a rerun trains the same thing, and
+    config was built), that the `gs://` storage root's bucket and a gcp slice's wheel
+    exist, that every source resolves, that a rerun trains the same thing, and
     that the price table (`cost.price_table`) reads.
 
     Raises:
@@ -172,6 +174,7 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     """
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
+    check_gcs_places(config)  # a missing bucket or wheel: before any source is read
     plan, files = check_inputs(config, plan_run(config, flow_run_id))
     check_slice_access(config, plan)
     price = price_for(config)
@@ -201,18 +204,6 @@ def check_slice_access(config: PipelineConfig, plan: RunPlan) -> None:
             f"slice.provider 'gcp' with slice.project={config.slice.project!r} and "
             f"slice.credentials_block={config.slice.credentials_block!r}: {exc}"
         ) from None
-
-
-def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:
-    """Upload a sharded dataset under `datasets_root` (gs://), manifest last, unless its
-    manifest is already there; returns the remote dataset directory."""
-    from infra.gcp import clients, gcs
-
-    remote = f"{datasets_root.rstrip('/')}/{os.path.basename(local_dir.rstrip('/'))}"
-    client = clients.storage_client(config.storage.project, config.storage.credentials_block)
-    if not gcs.exists(client, f"{remote}/{data.MANIFEST}"):
-        gcs.upload_tree(client, local_dir, remote, last=(data.MANIFEST,))
-    return remote
 
 
 # No Prefect cache policy: the dataset's manifest is the cache. It is checked where the

@@ -41,15 +41,44 @@ def upload_tree(
     Returns:
         The number of files uploaded.
     """
+    root = Path(local_dir)
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    names.sort(key=lambda name: name in last)  # stable: last go last
+    return upload_files(client, root, uri, names)
+
+
+def upload_files(
+    client: storage.Client, local_dir: str | os.PathLike, uri: str, names: Sequence[str]
+) -> int:
+    """Upload the files `names` (relative to `local_dir`) to `uri/<name>`, in that order,
+    each retried on transient errors and replacing any object of that name.
+
+    Returns:
+        The number of files uploaded.
+    """
     bucket_name, prefix = split_uri(uri)
     bucket = client.bucket(bucket_name)
-    root = Path(local_dir)
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    files.sort(key=lambda p: p.relative_to(root).as_posix() in last)  # stable: last go last
-    for path in files:
-        name = "/".join(filter(None, [prefix, path.relative_to(root).as_posix()]))
-        bucket.blob(name).upload_from_filename(str(path), retry=DEFAULT_RETRY)
-    return len(files)
+    for relative in names:
+        name = "/".join(filter(None, [prefix, relative]))
+        bucket.blob(name).upload_from_filename(str(Path(local_dir) / relative), retry=DEFAULT_RETRY)
+    return len(names)
+
+
+def object_sizes(client: storage.Client, uri: str) -> dict[str, int]:
+    """Every object under `uri/` by its name relative to `uri`, with its size: one
+    listing, however many objects there are."""
+    bucket_name, prefix = split_uri(uri)
+    blobs = client.list_blobs(bucket_name, prefix=f"{prefix}/" if prefix else None)
+    return {b.name[len(prefix) :].lstrip("/"): int(b.size) for b in blobs}
+
+
+def read_bytes(client: storage.Client, uri: str) -> bytes | None:
+    """The object's bytes, or None if it does not exist."""
+    bucket_name, name = split_uri(uri)
+    try:
+        return client.bucket(bucket_name).blob(name).download_as_bytes(retry=DEFAULT_RETRY)
+    except gexc.NotFound:
+        return None
 
 
 def download_tree(client: storage.Client, uri: str, local_dir: str | os.PathLike) -> int:
@@ -82,6 +111,18 @@ def exists(client: storage.Client, uri: str) -> bool:
     bucket_name, name = split_uri(uri)
     try:
         client.bucket(bucket_name).blob(name).reload(retry=DEFAULT_RETRY)
+    except gexc.NotFound:
+        return False
+    return True
+
+
+def bucket_exists(client: storage.Client, name: str) -> bool:
+    """Whether the bucket exists. Asked by listing at most one object, which
+    roles/storage.objectUser allows (a bucket metadata read would need more); a refusal
+    (403) is raised to the caller.
+    """
+    try:
+        next(iter(client.list_blobs(name, max_results=1, retry=DEFAULT_RETRY)), None)
     except gexc.NotFound:
         return False
     return True

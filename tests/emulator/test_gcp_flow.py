@@ -34,6 +34,8 @@ def test_the_pipeline_flow_runs_on_the_gcp_backends(
 
     fake, _ = vms
     monkeypatch.setenv("TPUPIPE_DATASET_CACHE", str(tmp_path / "dataset-cache"))
+    wheel = "wheels/tpupipe-0.1.0-py3-none-any.whl"  # checked before provisioning; the
+    gcs_client.bucket(bucket).blob(wheel).upload_from_string(b"a wheel")  # fake VMs skip it
     config = tiny_config(
         tmp_path,
         f"storage.root=gs://{bucket}/flow",
@@ -42,7 +44,7 @@ def test_the_pipeline_flow_runs_on_the_gcp_backends(
         f"slice.zone={ZONE}",
         "slice.accelerator_type=v5litepod-8",
         "slice.runtime_version=v2-alpha-tpuv5-lite",
-        f"slice.wheel=gs://{bucket}/wheels/tpupipe-0.1.0-py3-none-any.whl",
+        f"slice.wheel=gs://{bucket}/{wheel}",
         "slice.poll_interval_s=0.2",
         "metrics.sink=bigquery",
         "metrics.project=test-project",

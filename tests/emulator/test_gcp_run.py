@@ -42,6 +42,7 @@ class FakeVms:
     def __init__(self, metadata_host: str, log_dir) -> None:
         self.metadata_host, self.log_dir = metadata_host, log_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}  # the VMs' own environment, e.g. their dataset cache
 
     def ready(self, zone: str, node_id: str, node: dict) -> None:
         env = {
@@ -50,6 +51,7 @@ class FakeVms:
             "TPUPIPE_LOG_DIR": str(self.log_dir),
             "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
             "JAX_PLATFORMS": "cpu",
+            **self.env,
         }
         self.procs[node_id] = subprocess.Popen(
             [sys.executable, "-m", "infra.gcp.launcher"],

@@ -1,0 +1,167 @@
+"""What a run checks and writes in Cloud Storage before a slice exists.
+
+A slice costs money from its create on. Each thing here, when a worker was the first to
+find it wrong, cost a slice and a failed start-up and ended in an error that named neither
+the config field nor the object: the bucket of `storage.root`, the wheel of `slice.wheel`,
+and a published dataset whose manifest lists a shard the bucket no longer holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from workloads import data
+from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
+from workloads.data import DatasetError
+from workloads.manifest import SPLITS
+
+logger = logging.getLogger(__name__)
+
+
+def storage_client(config: PipelineConfig) -> Any:
+    """The Cloud Storage client of the run's storage settings.
+
+    Raises:
+        ConfigError: no credentials, naming storage.credentials_block and the fix.
+    """
+    from infra.gcp import clients
+
+    try:
+        return clients.storage_client(config.storage.project, config.storage.credentials_block)
+    except clients.CredentialsError as exc:
+        raise ConfigError(
+            f"storage.credentials_block={config.storage.credentials_block!r}: {exc}"
+        ) from None
+
+
+def check_gcs_places(config: PipelineConfig, client: Any = None) -> None:
+    """The bucket of a `gs://` storage root exists, and so does a gcp slice's wheel.
+
+    Args:
+        config: The validated config.
+        client: A Cloud Storage client (default: built from `config.storage`).
+
+    Raises:
+        ConfigError: naming `storage.root` or `slice.wheel`, the bucket or object, and
+            what to do.
+    """
+    root = config.storage.root
+    wheel = config.slice.wheel if config.slice.provider == "gcp" else None
+    if not root.startswith("gs://") and not wheel:
+        return
+    from google.api_core import exceptions as gexc
+
+    from infra.gcp import gcs
+
+    client = client or storage_client(config)
+    if root.startswith("gs://"):
+        bucket, _ = gcs.split_uri(root)
+        try:
+            found = gcs.bucket_exists(client, bucket)
+        except gexc.Forbidden as exc:
+            raise ConfigError(
+                f"storage.root = {root!r}: Cloud Storage refused to list gs://{bucket} "
+                f"({exc.message}); grant the orchestrator's identity roles/storage.objectUser "
+                "on that bucket (docs/gcp.md)"
+            ) from None
+        if not found:
+            raise ConfigError(
+                f"storage.root = {root!r}: bucket {bucket} does not exist; create it "
+                "(docs/gcp.md, step 3) or correct storage.root"
+            )
+    if wheel:
+        try:
+            found = gcs.exists(client, wheel)
+        except gexc.Forbidden as exc:
+            # The workers read it with their own account, which may be allowed to.
+            logger.warning("slice.wheel %s could not be checked: %s", wheel, exc.message)
+            return
+        if not found:
+            raise ConfigError(
+                f"slice.wheel = {wheel!r} does not exist: every worker installs it at "
+                "start-up; upload the wheel there (docs/gcp.md, step 3) or correct slice.wheel"
+            )
+
+
+def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:
+    """Make the dataset under `datasets_root` (gs://) whole: upload it, manifest last, if
+    it has no manifest there (or one that does not parse); otherwise check that every shard
+    the remote manifest lists exists with its recorded size, and upload the ones missing or
+    of another size from `local_dir`, each only if the local copy is the same file (same
+    sha256 and size in both manifests).
+
+    Args:
+        local_dir: The orchestrator's complete copy of the dataset.
+        datasets_root: `<storage.root>/datasets`.
+        config: For the storage client's settings.
+
+    Returns:
+        The remote dataset directory.
+
+    Raises:
+        DatasetError: a shard is missing or of another size in GCS and `local_dir` has no
+            copy of it with the manifest's size and sha256; naming the dataset directory
+            and every such shard.
+    """
+    from infra.gcp import gcs
+
+    remote = f"{datasets_root.rstrip('/')}/{os.path.basename(local_dir.rstrip('/'))}"
+    client = storage_client(config)
+    text = gcs.read_bytes(client, f"{remote}/{data.MANIFEST}")
+    try:
+        manifest = json.loads(text) if text is not None else None
+        bad = damaged_shards(manifest, gcs.object_sizes(client, remote)) if manifest else None
+    except (ValueError, KeyError, TypeError):  # a manifest no reader accepts: publish anew
+        manifest = bad = None
+    if manifest is None:
+        gcs.upload_tree(client, local_dir, remote, last=(data.MANIFEST,))
+        return remote
+    if bad:
+        local = data.load_manifest(local_dir)
+        unfixable = [name for name in bad if not _local_copy(local_dir, local, manifest, name)]
+        if unfixable:
+            raise DatasetError(
+                f"dataset {remote} lacks {', '.join(unfixable)} (missing or of another size "
+                f"than its {data.MANIFEST} records), and {local_dir} has no copy to restore "
+                f"from; delete {remote}/{data.MANIFEST} so the next run publishes it anew"
+            )
+        # The remote manifest stays as it is: it already lists these shards with these
+        # sizes and sha256s, and the local one may differ in entries of shards not repaired.
+        gcs.upload_files(client, local_dir, remote, bad)
+        logger.warning(
+            "dataset %s repaired: uploaded %s again from %s", remote, ", ".join(bad), local_dir
+        )
+    return remote
+
+
+def damaged_shards(manifest: dict, sizes: dict[str, int]) -> list[str]:
+    """The shards `manifest` lists that `sizes` (name → size, one listing of the dataset
+    directory) lacks or has with another size than the manifest's `bytes`."""
+    shards = [s for split in SPLITS for s in manifest["splits"][split]["shards"]]
+    # A manifest that records no `bytes` (older formats): being there is all we can check.
+    return [
+        s["name"]
+        for s in shards
+        if s["name"] not in sizes or sizes[s["name"]] != s.get("bytes", sizes[s["name"]])
+    ]
+
+
+def _local_copy(local_dir: str, local: dict, remote: dict, name: str) -> bool:
+    # The local shard may replace the remote one only if it is the same file: same entry
+    # (size and sha256) in both manifests, and the file on disk of that size.
+    def entry(manifest: dict) -> dict | None:
+        shards = (s for split in SPLITS for s in manifest["splits"][split]["shards"])
+        return next((s for s in shards if s["name"] == name), None)
+
+    mine, theirs = entry(local), entry(remote)
+    if mine is None or theirs is None or mine.get("sha256") != theirs.get("sha256"):
+        return False
+    try:
+        size = os.path.getsize(os.path.join(local_dir, name))
+    except OSError:
+        return False
+    return size == mine.get("bytes", size)

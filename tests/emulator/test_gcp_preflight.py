@@ -1,0 +1,162 @@
+"""What a gcp run checks in GCS before it provisions a slice: the storage root's bucket,
+the wheel the workers install, the `gs://` sources, and that a dataset already published
+there is whole (repaired from the orchestrator's copy when it is not).
+
+`tpupipe run` is driven as a user runs it; the fake TPU API's create count says whether
+anything was provisioned."""
+
+from __future__ import annotations
+
+import pytest
+from etils import epath
+
+from infra.gcp import gcs
+from tests.emulator.test_gcp_run import ZONE, FakeVms
+from tests.helpers import REPO
+from workloads import data
+
+pytestmark = [pytest.mark.emulator, pytest.mark.slow]
+WHEEL = "wheels/tpupipe-0.1.0-py3-none-any.whl"
+
+
+@pytest.fixture
+def vms(fake_tpu, tmp_path, monkeypatch):
+    fake, host = fake_tpu
+    machines = FakeVms(host, tmp_path / "vm-logs")
+    fake.on_ready, fake.on_gone = machines.ready, machines.gone
+    monkeypatch.setenv("TPU_EMULATOR_HOST", host)
+    monkeypatch.setenv("TPUPIPE_DATASET_CACHE", str(tmp_path / "orchestrator-cache"))
+    monkeypatch.chdir(tmp_path)  # the run's local lock and DuckDB file go here
+    yield fake, machines
+    machines.stop_all()
+
+
+def gcp_args(bucket: str, *overrides: str) -> list[str]:
+    """`tpupipe run` of configs/tiny.yaml on the gcp backends, storage in `bucket`."""
+    settings = [
+        f"storage.root=gs://{bucket}/root",
+        "slice.provider=gcp",
+        "slice.project=test-project",
+        f"slice.zone={ZONE}",
+        "slice.accelerator_type=v5litepod-8",
+        "slice.runtime_version=v2-alpha-tpuv5-lite",
+        f"slice.wheel=gs://{bucket}/{WHEEL}",
+        "slice.poll_interval_s=0.2",
+        "slice.heartbeat_timeout_s=20",
+        "resilience.max_preemptions=0",
+        "resilience.heartbeat_confirm_s=0",
+        *overrides,
+    ]
+    args = ["run", "--config", str(REPO / "configs" / "tiny.yaml")]
+    for setting in settings:
+        args += ["--set", setting]
+    return args
+
+
+def put_wheel(gcs_client, bucket: str) -> None:
+    gcs_client.bucket(bucket).blob(WHEEL).upload_from_string(b"a wheel")
+
+
+def test_a_published_dataset_missing_a_shard_is_repaired_before_provisioning(
+    vms, gcs_client, bucket, tmp_path, prefect_harness, caplog
+):
+    from flows.cli import main
+    from tasks.prepare import shard_corpus
+    from tests.helpers import tiny_config
+
+    fake, machines = vms
+    put_wheel(gcs_client, bucket)
+    # Published by an earlier run, then a shard went missing from the bucket.
+    config = tiny_config(tmp_path)
+    local = shard_corpus(config.dataset, str(tmp_path / "orchestrator-cache")).dataset_dir
+    remote = f"gs://{bucket}/root/datasets/{epath.Path(local).name}"
+    gcs.upload_tree(gcs_client, local, remote, last=[data.MANIFEST])
+    lost = data.load_manifest(local)["splits"]["train"]["shards"][1]["name"]
+    gcs_client.bucket(bucket).blob(f"root/datasets/{epath.Path(local).name}/{lost}").delete()
+    machines.env = {"TPUPIPE_DATASET_CACHE": str(tmp_path / "worker-cache")}  # a fresh VM
+
+    assert main(gcp_args(bucket)) == 0
+    assert sum(fake.creates.values()) == 1
+    assert gcs.exists(gcs_client, f"{remote}/{lost}")
+    assert any(lost in r.getMessage() and "repaired" in r.getMessage() for r in caplog.records)
+
+
+def test_a_published_shard_of_another_size_is_uploaded_again(gcs_client, bucket, tmp_path):
+    from tasks.prepare import shard_corpus
+    from tasks.remote import publish_dataset
+    from tests.helpers import tiny_config
+
+    config = tiny_config(tmp_path, f"storage.root=gs://{bucket}/root")
+    local = shard_corpus(config.dataset, str(tmp_path / "cache")).dataset_dir
+    remote = f"gs://{bucket}/root/datasets/{epath.Path(local).name}"
+    gcs.upload_tree(gcs_client, local, remote, last=[data.MANIFEST])
+    cut = data.load_manifest(local)["splits"]["train"]["shards"][0]["name"]
+    blob = gcs_client.bucket(bucket).blob(f"root/datasets/{epath.Path(local).name}/{cut}")
+    blob.upload_from_string(b"half a shard")
+
+    assert publish_dataset(local, f"gs://{bucket}/root/datasets", config) == remote
+    assert blob.download_as_bytes() == (epath.Path(local) / cut).read_bytes()
+
+
+def test_a_published_dataset_missing_a_shard_with_no_local_copy_is_refused(
+    gcs_client, bucket, tmp_path
+):
+    from tasks.prepare import shard_corpus
+    from tasks.remote import publish_dataset
+    from tests.helpers import tiny_config
+    from workloads.data import DatasetError
+
+    put_wheel(gcs_client, bucket)
+    config = tiny_config(tmp_path, f"storage.root=gs://{bucket}/root")
+    local = shard_corpus(config.dataset, str(tmp_path / "cache")).dataset_dir
+    remote = f"gs://{bucket}/root/datasets/{epath.Path(local).name}"
+    gcs.upload_tree(gcs_client, local, remote, last=[data.MANIFEST])
+    lost = data.load_manifest(local)["splits"]["eval"]["shards"][0]["name"]
+    gcs_client.bucket(bucket).blob(f"root/datasets/{epath.Path(local).name}/{lost}").delete()
+    (epath.Path(local) / lost).unlink()  # the orchestrator's copy lacks it as well
+
+    with pytest.raises(DatasetError) as err:
+        publish_dataset(local, f"gs://{bucket}/root/datasets", config)
+    assert remote in str(err.value) and lost in str(err.value)
+
+
+def test_a_wheel_that_is_not_in_gcs_is_refused_before_provisioning(
+    vms, gcs_client, bucket, prefect_harness, capsys
+):
+    from flows.cli import main
+
+    fake, _ = vms
+    nope = f"gs://{bucket}/wheels/nope-0.1-py3-none-any.whl"
+    assert main(gcp_args(bucket, f"slice.wheel={nope}")) == 2
+    err = capsys.readouterr().err
+    assert "slice.wheel" in err and nope in err
+    assert sum(fake.creates.values()) == 0
+
+
+def test_a_storage_root_in_a_missing_bucket_is_refused_before_sharding(
+    vms, gcs_client, bucket, tmp_path, prefect_harness, capsys
+):
+    from flows.cli import main
+
+    fake, _ = vms
+    put_wheel(gcs_client, bucket)
+    args = gcp_args(bucket, "storage.root=gs://nonexistent-bucket-xyz/x")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "storage.root = 'gs://nonexistent-bucket-xyz/x': bucket nonexistent-bucket-xyz" in err
+    assert sum(fake.creates.values()) == 0
+    assert not (tmp_path / "orchestrator-cache").exists()  # nothing was sharded for it
+
+
+def test_a_source_in_a_missing_bucket_is_refused_naming_it(
+    vms, gcs_client, bucket, prefect_harness, capsys
+):
+    from flows.cli import main
+
+    fake, _ = vms
+    put_wheel(gcs_client, bucket)
+    source = "gs://nonexistent-source-xyz/corpus/"
+    assert main(gcp_args(bucket, f"dataset.sources=[{source}]")) == 2
+    err = capsys.readouterr().err
+    assert f"dataset source {source!r}: bucket nonexistent-source-xyz does not exist" in err
+    assert sum(fake.creates.values()) == 0
