@@ -12,6 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
 from infra.storage import source_storage
+from tasks.access import check_backend_access, check_slice_access
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
@@ -24,8 +25,10 @@ from workloads.dataset_cache import cache_root
 __all__ = [
     "ArtifactProgress",
     "DatasetError",
+    "check_backend_access",
     "check_inputs",
     "check_local_paths",
+    "check_slice_access",
     "shard_corpus",
     "shard_dataset",
     "validate_config",
@@ -165,45 +168,25 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
 @task(name="validate-config", cache_policy=NONE)
 def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Checks that cost nothing: field and cross-field rules (already enforced when the
-    config was built), that the `gs://` storage root's bucket and a gcp slice's wheel
-    exist, that every source resolves, that a rerun trains the same thing, and
-    that the price table (`cost.price_table`) reads.
+    config was built), that every source resolves, that a rerun trains the same thing, that
+    the cloud backends' credentials resolve and an existing BigQuery dataset is in
+    metrics.location (`tasks.access`), that the `gs://` storage root's bucket and a gcp
+    slice's wheel exist (`tasks.remote`), and that the price table (`cost.price_table`) reads.
 
     Raises:
         ConfigError / DatasetError: naming the field, file or source at fault.
     """
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
+    plan = plan_run(config, flow_run_id)
+    check_backend_access(config, plan)  # credentials resolve, before any call that needs them
     check_gcs_places(config)  # a missing bucket or wheel: before any source is read
-    plan, files = check_inputs(config, plan_run(config, flow_run_id))
-    check_slice_access(config, plan)
+    plan, files = check_inputs(config, plan)
     price = price_for(config)
     logger = get_run_logger()
     logger.info("run %s: %d source files, run directory %s", plan.run_id, files, plan.run_dir)
     logger.info("cost: %d chips, %s", price.chips, price.describe())
     return plan
-
-
-def check_slice_access(config: PipelineConfig, plan: RunPlan) -> None:
-    """A gcp slice's credentials and project resolve, with no API call: on a machine with
-    neither, a run sharded and uploaded its dataset, then failed at its first attempt with
-    an error that named no field.
-
-    Raises:
-        ConfigError: naming slice.project / slice.credentials_block and the fix.
-    """
-    if config.slice.provider != "gcp":
-        return
-    from infra.gcp.clients import CredentialsError
-    from infra.slices import build_provider
-
-    try:
-        build_provider("gcp", plan.slices_root, config.slice)  # kept: the run reuses it
-    except CredentialsError as exc:
-        raise ConfigError(
-            f"slice.provider 'gcp' with slice.project={config.slice.project!r} and "
-            f"slice.credentials_block={config.slice.credentials_block!r}: {exc}"
-        ) from None
 
 
 # No Prefect cache policy: the dataset's manifest is the cache. It is checked where the

@@ -32,7 +32,10 @@ from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-export
 # The model's embedding table is padded to a multiple of this, so it shards evenly.
 VOCAB_PAD_MULTIPLE = 128
 
-_RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# It ends in a letter or digit too: the run's TPU node id is `tpupipe-<run_name>`, and node
+# ids follow RFC 1035 (`[a-z]([-a-z0-9]*[a-z0-9])?`), so `abc-` failed at the TPU API after
+# the dataset was sharded and uploaded. A trailing dash is mostly an unset variable anyway.
+_RUN_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 # URI schemes a dataset source may have (infra/storage.py reads them).
 _SOURCE_SCHEMES = ("gs", "file")
 
@@ -271,7 +274,8 @@ class PipelineConfig(_Strict):
     run_name: str | None = Field(
         None,
         description="Name of the run; running again with the same name resumes it from its "
-        "checkpoints. Lowercase letters, digits and dashes. Empty: a new name is generated.",
+        "checkpoints. Lowercase letters, digits and dashes, not ending in a dash. Empty: a new "
+        "name is generated.",
     )
     seed: Int = Field(
         0, ge=0, le=2**32 - 1, description="Seed for parameter init and data shuffling (uint32)."
@@ -299,7 +303,8 @@ class PipelineConfig(_Strict):
         if value is not None and not _RUN_NAME.match(value):
             raise ValueError(
                 f"run_name {value!r} must be 1-63 lowercase letters, digits or dashes, "
-                "starting with a letter or digit"
+                "starting and ending with a letter or digit (it names the TPU node "
+                "tpupipe-<run_name>, which cannot end in a dash)"
             )
         return value
 

@@ -1,176 +1,23 @@
-"""Config of where a run executes and stores things: slice, storage, metrics sink, and how
-its slice time is priced.
+"""Config of where a run stores things: storage, metrics sink, and how its slice time is
+priced. The slice itself is workloads/config_slice.py (re-exported here).
 
 Part of `PipelineConfig` (workloads/config.py); split out to keep each file readable.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from workloads.config_resilience import ChaosConfig
-from workloads.config_types import Float, Int, ProjectId
+from workloads.config_slice import REGION, SliceConfig, tpu_topology
+from workloads.config_types import Float, ProjectId
 from workloads.config_types import StrictModel as _Strict
 
-# TPU generations: (devices JAX sees per chip-count unit, chips per host on multi-host
-# slices, largest single-host slice in chips). The number after the dash in an accelerator
-# type counts TensorCores on v4/v5p (two per chip, one JAX device per chip) and chips on
-# v5e/v6e.
-_TPU_FAMILIES: dict[str, tuple[int, int, int]] = {
-    "v4": (2, 4, 4),
-    "v5p": (2, 4, 4),
-    "v5litepod": (1, 4, 8),
-    "v6e": (1, 4, 8),
-}
-_ACCELERATOR = re.compile(r"^(v4|v5p|v5litepod|v6e)-(\d+)$")
-_ZONE = re.compile(r"^[a-z]+-[a-z]+\d+-[a-z]$")
-_REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
+__all__ = ["CostConfig", "MetricsConfig", "SliceConfig", "StorageConfig", "tpu_topology"]
 
-
-def tpu_topology(accelerator_type: str) -> tuple[int, int]:
-    """(devices, hosts) of a TPU accelerator type such as `v5litepod-8` or `v4-32`.
-
-    Raises:
-        ValueError: for an unknown family or a size that family does not come in.
-    """
-    match = _ACCELERATOR.match(accelerator_type)
-    if not match:
-        families = ", ".join(f"{f}-N" for f in _TPU_FAMILIES)
-        raise ValueError(f"slice.accelerator_type {accelerator_type!r} is not one of {families}")
-    per_chip, chips_per_host, single_host = _TPU_FAMILIES[match[1]]
-    size = int(match[2])
-    chips = size // per_chip
-    single_host_sizes = (4,) if per_chip == 2 else (1, 4, 8)  # chips
-    if size % per_chip or not (
-        chips in single_host_sizes or (chips > single_host and chips % chips_per_host == 0)
-    ):
-        raise ValueError(f"slice.accelerator_type {accelerator_type!r}: no such slice size")
-    return chips, 1 if chips <= single_host else chips // chips_per_host
-
-
-class SliceConfig(_Strict):
-    """Where the workload runs: local processes, or a Cloud TPU slice."""
-
-    provider: Literal["local", "gcp"] = Field(
-        "local",
-        description="'local': the workload as processes over virtual CPU devices; 'gcp': a "
-        "Cloud TPU VM slice (needs a gs:// storage.root).",
-    )
-    devices: Int = Field(
-        8, ge=1, le=256, description="Devices in the slice (gcp: taken from accelerator_type)."
-    )
-    hosts: Int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="Hosts (one JAX process each) the devices are spread over (gcp: taken "
-        "from accelerator_type).",
-    )
-    poll_interval_s: Float = Field(1.0, gt=0, description="Seconds between slice state checks.")
-    heartbeat_timeout_s: Float = Field(
-        600.0,
-        gt=0,
-        description="A running workload silent this long is treated as lost (the slice is "
-        "deleted and the attempt retried as a preemption). Keep it above the workload's "
-        "start-up and longest compile: it beats only before and after them.",
-    )
-    project: ProjectId = Field(
-        None, description="gcp: project of the TPU (None: the credentials' project)."
-    )
-    zone: str | None = Field(None, description="gcp: zone to create the TPU in, e.g. us-west4-a.")
-    fallback_zones: list[str] = Field(
-        default_factory=list,
-        description="gcp: zones tried in order when `zone` has no capacity or quota left.",
-    )
-    accelerator_type: str | None = Field(
-        None, description="gcp: TPU type, e.g. v5litepod-8, v4-32, v6e-16."
-    )
-    runtime_version: str | None = Field(
-        None, description="gcp: TPU VM software version, e.g. v2-alpha-tpuv5-lite."
-    )
-    capacity: Literal["on-demand", "spot", "reserved"] = Field(
-        "on-demand",
-        description="gcp: 'spot' queues a request (queued resource) that expires after "
-        "queue_timeout_s; 'reserved' uses the project's reservation. The cost ledger prices "
-        "gcp slices by it ('reserved' at the on-demand price unless cost.usd_per_chip_hour).",
-    )
-    queue_timeout_s: Float = Field(
-        3600.0, gt=0, description="gcp: a spot request still waiting this long is cancelled."
-    )
-    provision_timeout_s: Float = Field(
-        1800.0, gt=0, description="gcp: longest wait for the slice to become READY."
-    )
-    provision_attempts: Int = Field(
-        3, ge=1, le=20, description="gcp: create attempts per zone on quota/capacity errors."
-    )
-    max_lifetime_s: Float = Field(
-        86400.0, gt=0, description="gcp: the `ttl` label; the reaper deletes a slice past it."
-    )
-    service_account: str | None = Field(
-        None, description="gcp: service account e-mail of the TPU VMs (None: the default)."
-    )
-    network: str | None = Field(None, description="gcp: VPC network (None: 'default').")
-    subnetwork: str | None = Field(None, description="gcp: subnetwork (None: the network's).")
-    external_ip: bool = Field(
-        False,
-        description="gcp: give workers external IPs (off: the subnet needs Private Google "
-        "Access to reach GCS and PyPI mirrors).",
-    )
-    wheel: str | None = Field(
-        None,
-        description="gcp: gs:// URI of this project's wheel, installed on every worker at "
-        "boot together with tpu_packages.",
-    )
-    tpu_packages: list[str] = Field(
-        default_factory=lambda: ["jax[tpu]==0.10.2"],
-        description="gcp: extra pip requirements for the TPU VM (libtpu via jax[tpu]).",
-    )
-    credentials_block: str | None = Field(
-        None,
-        description="gcp: name of a prefect-gcp GcpCredentials block (None: Application "
-        "Default Credentials). Never put keys in a config.",
-    )
-    chaos: ChaosConfig = Field(
-        default_factory=ChaosConfig, description="local: injected preemptions and failures."
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _topology_from_accelerator(cls, data: Any) -> Any:
-        # A TPU type fixes devices and hosts: fill them in unless the user wrote them.
-        if isinstance(data, dict) and data.get("provider") == "gcp":
-            try:
-                devices, hosts = tpu_topology(str(data.get("accelerator_type") or ""))
-            except ValueError:
-                return data  # reported with the field's context by _gcp_fields
-            return {"devices": devices, "hosts": hosts, **data}
-        return data
-
-    @model_validator(mode="after")
-    def _gcp_fields(self) -> SliceConfig:
-        if self.provider != "gcp":
-            return self
-        required = ("zone", "accelerator_type", "runtime_version", "wheel")
-        missing = [f for f in required if not getattr(self, f)]
-        if missing:
-            raise ValueError(f"slice.provider = 'gcp' needs slice.{', slice.'.join(missing)}")
-        for zone in [self.zone, *self.fallback_zones]:
-            if not _ZONE.match(zone):
-                raise ValueError(f"slice zone {zone!r} is not a zone name like us-west4-a")
-        devices, hosts = tpu_topology(self.accelerator_type)
-        if (self.devices, self.hosts) != (devices, hosts):
-            raise ValueError(
-                f"slice.accelerator_type {self.accelerator_type} has {devices} devices on "
-                f"{hosts} hosts, but slice.devices = {self.devices}, slice.hosts = {self.hosts}"
-            )
-        if not (self.wheel.startswith("gs://") and self.wheel.endswith(".whl")):
-            raise ValueError(f"slice.wheel {self.wheel!r} must be a gs://…/*.whl URI")
-        if not self.wheel[5:].split("/", 1)[0]:
-            raise ValueError(f"slice.wheel {self.wheel!r} names no bucket (gs://bucket/….whl)")
-        return self
+# BigQuery's multi-regions; every other BigQuery location is a region name.
+_BQ_MULTI_REGIONS = ("US", "EU")
 
 
 class StorageConfig(_Strict):
@@ -227,12 +74,28 @@ class MetricsConfig(_Strict):
     dataset: str = Field(
         "tpupipe", pattern=r"^[A-Za-z0-9_]{1,1024}$", description="bigquery: dataset name."
     )
-    location: str = Field("US", description="bigquery: location of the dataset.")
+    location: str = Field(
+        "US",
+        description="bigquery: location of the dataset: a multi-region (US, EU) or a region "
+        "such as us-central1 (not a zone). Checked against an existing dataset before a "
+        "slice is provisioned.",
+    )
     credentials_block: str | None = Field(
         None,
         description="bigquery: name of a prefect-gcp GcpCredentials block (None: Application "
         "Default Credentials).",
     )
+
+    @field_validator("location")
+    @classmethod
+    def _location_shape(cls, value: str) -> str:
+        # `mars` or a zone passed validation and failed only at landing, after training.
+        if value.upper() not in _BQ_MULTI_REGIONS and not REGION.match(value):
+            raise ValueError(
+                f"metrics.location {value!r} is not a BigQuery location: US, EU or a "
+                "region such as us-central1 (not a zone)"
+            )
+        return value
 
 
 class CostConfig(_Strict):
@@ -279,7 +142,7 @@ class CostConfig(_Strict):
     @field_validator("region")
     @classmethod
     def _region_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _REGION.match(value):
+        if value is not None and not REGION.match(value):
             raise ValueError(f"cost.region {value!r} is not a region name like us-central1")
         return value
 

@@ -120,25 +120,39 @@ class BigQuerySink:
             SchemaError: a column's type changed (BigQuery cannot convert it in place).
             LocationError: the dataset is in another location than `location`.
         """
-        try:
-            # Look first: an orchestrator granted only dataset-level roles may not create
-            # datasets, and a create of an existing one would answer 403, not 409.
-            existing = self.client.get_dataset(self.dataset, retry=RETRY, timeout=CALL_TIMEOUT_S)
-            # A job runs in one location: every load and MERGE would fail with "Not found:
-            # Dataset ... in location US" for a dataset that exists, after the whole run.
-            if (existing.location or self.location).lower() != self.location.lower():
-                raise LocationError(
-                    f"BigQuery dataset {self.dataset} is in {existing.location}, but "
-                    f"metrics.location is {self.location}: set metrics.location to "
-                    f"{existing.location}"
-                )
-        except gexc.NotFound:
+        # Look first: an orchestrator granted only dataset-level roles may not create
+        # datasets, and a create of an existing one would answer 403, not 409.
+        if not self.check_location():
             ds = bigquery.Dataset(self.dataset)
             ds.location = self.location
             self.client.create_dataset(ds, exists_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S)
         for model in self.models:
             self._ensure_table(model)
         self._ready = True
+
+    def check_location(self) -> bool:
+        """Whether the dataset exists; one `datasets.get`, cheap enough to run before a
+        slice is provisioned.
+
+        Returns:
+            True if the dataset exists (in `location`), False if it does not yet.
+
+        Raises:
+            LocationError: it exists in another location than `location`.
+        """
+        try:
+            existing = self.client.get_dataset(self.dataset, retry=RETRY, timeout=CALL_TIMEOUT_S)
+        except gexc.NotFound:
+            return False
+        # A job runs in one location: every load and MERGE would fail with "Not found:
+        # Dataset ... in location US" for a dataset that exists, after the whole run.
+        if (existing.location or self.location).lower() != self.location.lower():
+            raise LocationError(
+                f"BigQuery dataset {self.dataset} is in {existing.location}, but "
+                f"metrics.location is {self.location}: set metrics.location to "
+                f"{existing.location}"
+            )
+        return True
 
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]

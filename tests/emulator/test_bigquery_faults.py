@@ -177,3 +177,32 @@ def test_a_landing_failing_for_good_is_bounded_and_names_the_run_and_dataset(sin
     (error,) = raised
     assert isinstance(error, gexc.RetryError | gexc.InternalServerError)
     assert f"landing run r1 into {sink.dataset}" in str(error)
+
+
+def test_a_run_into_a_dataset_of_another_location_is_refused_before_provisioning(sink, tmp_path):
+    # metrics.location=EU against a US dataset trained the whole run, then failed landing.
+    from google.cloud import bigquery
+
+    from tasks.access import check_backend_access
+    from tasks.plan import plan_run
+    from tests.helpers import tiny_config
+    from workloads.config_file import ConfigError
+
+    project, dataset = sink.dataset.split(".")
+    config = tiny_config(
+        tmp_path,
+        "metrics.sink=bigquery",
+        f"metrics.project={project}",
+        f"metrics.dataset={dataset}",
+        "metrics.location=EU",
+    )
+    check_backend_access(config, plan_run(config))  # no dataset yet: landing creates it in EU
+    assert [d.dataset_id for d in sink.client.list_datasets()].count(dataset) == 0
+
+    existing = bigquery.Dataset(sink.dataset)
+    existing.location = "US"
+    sink.client.create_dataset(existing)
+    with pytest.raises(ConfigError, match=r"^metrics.location = 'EU': .* is in US"):
+        check_backend_access(config, plan_run(config))
+    us = config.model_copy(update={"metrics": config.metrics.model_copy(update={"location": "us"})})
+    check_backend_access(us, plan_run(us))

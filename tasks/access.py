@@ -1,0 +1,110 @@
+"""The cloud backends a run will use, checked before anything is provisioned.
+
+A backend that cannot work failed the run only when it was first used: a storage block
+after sharding (a bare CredentialsError), a BigQuery block or a dataset in another
+location at landing, after the TPU hours were spent. Each check here builds the client the
+run will build, with no API call, except one `datasets.get` for the BigQuery sink: the run
+already calls the storage API before provisioning (gs:// sources, the run directory), and
+a dataset's location can be known no other way. Every refusal names the fields to fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tasks.plan import is_gcs
+from workloads.config_file import ConfigError
+
+if TYPE_CHECKING:
+    from tasks.plan import RunPlan
+    from workloads.config import PipelineConfig
+
+
+def check_backend_access(config: PipelineConfig, plan: RunPlan) -> None:
+    """The slice provider, the gs:// storage root and the BigQuery sink can be reached
+    with the credentials and projects the config names (see the checks below).
+
+    Raises:
+        ConfigError: naming the section's project / credentials_block, or metrics.location.
+    """
+    check_slice_access(config, plan)
+    check_storage_access(config)
+    check_metrics_access(config, plan)
+
+
+def check_slice_access(config: PipelineConfig, plan: RunPlan) -> None:
+    """A gcp slice's credentials and project resolve, with no API call: on a machine with
+    neither, a run sharded and uploaded its dataset, then failed at its first attempt with
+    an error that named no field.
+
+    Raises:
+        ConfigError: naming slice.project / slice.credentials_block and the fix.
+    """
+    if config.slice.provider != "gcp":
+        return
+    from infra.gcp.clients import CredentialsError
+    from infra.slices import build_provider
+
+    try:
+        build_provider("gcp", plan.slices_root, config.slice)  # kept: the run reuses it
+    except CredentialsError as exc:
+        raise ConfigError(
+            f"slice.provider 'gcp' with slice.project={config.slice.project!r} and "
+            f"slice.credentials_block={config.slice.credentials_block!r}: {exc}"
+        ) from None
+
+
+def check_storage_access(config: PipelineConfig) -> None:
+    """A gs:// storage root's credentials resolve (no API call): the dataset is uploaded
+    with them once it is sharded.
+
+    Raises:
+        ConfigError: naming storage.project / storage.credentials_block and the fix.
+    """
+    if not is_gcs(config.storage.root):
+        return
+    from infra.gcp.clients import CredentialsError, storage_client
+
+    storage = config.storage
+    try:
+        storage_client(storage.project, storage.credentials_block)
+    except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
+        raise ConfigError(
+            f"storage.root {storage.root!r} with storage.project={storage.project!r} and "
+            f"storage.credentials_block={storage.credentials_block!r}: {exc}"
+        ) from None
+
+
+def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:
+    """The BigQuery sink's credentials resolve, and its dataset, if it exists, is in
+    metrics.location (one `datasets.get`; a missing dataset is created at landing).
+
+    Raises:
+        ConfigError: naming metrics.project / metrics.credentials_block, metrics.location
+            and the dataset's own location, or metrics.dataset when it may not be read.
+    """
+    metrics = config.metrics
+    if metrics.sink != "bigquery":
+        return
+    from google.api_core import exceptions as gexc
+
+    from infra.gcp.clients import CredentialsError
+    from infra.metrics import build_sink
+    from infra.metrics.bigquery_sink import LocationError
+
+    try:
+        sink = build_sink("bigquery", plan.metrics_path, metrics)
+    except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
+        raise ConfigError(
+            f"metrics.sink 'bigquery' with metrics.project={metrics.project!r} and "
+            f"metrics.credentials_block={metrics.credentials_block!r}: {exc}"
+        ) from None
+    try:
+        sink.check_location()
+    except LocationError as exc:
+        raise ConfigError(f"metrics.location = {metrics.location!r}: {exc}") from None
+    except gexc.Forbidden as exc:  # landing looks the dataset up first: it would fail too
+        raise ConfigError(
+            f"metrics.dataset = {metrics.dataset!r}: {sink.dataset} cannot be read with "
+            f"these credentials ({exc.message}); grant roles/bigquery.dataEditor on it"
+        ) from None
