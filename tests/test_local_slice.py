@@ -273,6 +273,9 @@ class _Exited:
         ([None, -9], -9),  # reported at once, while host 0 still blocks
         ([75, 0], 75),
         ([0, None], None),
+        ([1, 75], 75),  # host 1 stopped for a notice host 0 never saw; host 0 timed out
+        ([-6, 75], 75),  # ... or JAX aborted host 0
+        ([-9, 75], -9),  # a lost host is retried as a preemption all the same
     ],
 )
 def test_a_lost_host_is_reported_before_the_hosts_that_failed_because_of_it(codes, reported):

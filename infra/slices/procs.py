@@ -25,7 +25,8 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 # Exit codes after which the other hosts are still finishing (a clean exit or a
 # preemption save): the slice only ends once every host has exited.
-_ORDERLY_EXITS = (0, 75)
+_PREEMPTED = 75  # workloads.train.PREEMPTED_EXIT (infra does not import the workload)
+_ORDERLY_EXITS = (0, _PREEMPTED)
 
 
 def _cause_rank(code: int) -> int:
@@ -53,6 +54,11 @@ class HostGroup:
             # A host killed from outside (a lost host) is the cause when others failed with
             # it (their collectives broke, JAX aborted them): reported first, it is retried
             # as a preemption, where the others' codes would fail the run as a workload bug.
+            # So is a host that stopped for a preemption notice the others never shared (a
+            # SIGTERM to one host before the hosts connected: host 0 then timed out in its
+            # first collective, exit 1, and the run failed with no retry).
+            if _PREEMPTED in codes and min(map(_cause_rank, failed)) > 0:
+                return _PREEMPTED
             return min(failed, key=_cause_rank)
         if any(c is None for c in codes):
             return None
