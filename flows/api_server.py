@@ -72,20 +72,21 @@ def temporary_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     # Stopped at exit, not when the block ends: Prefect sends the run's last logs and
     # events from threads it drains at interpreter exit, before `atexit` functions
     # run. Stopped earlier, those sends retried a vanished server for ~70 s.
-    atexit.register(_stop, server)
+    atexit.register(stop_process, server)
     url = f"http://127.0.0.1:{port}/api"
     _wait_until_up(server, url, startup_timeout_s, errors)
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield url
 
 
-def _stop(server: subprocess.Popen) -> None:
-    server.terminate()
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate `proc`, and kill it if it is still running `grace_s` later."""
+    proc.terminate()
     try:
-        server.wait(timeout=10)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+        proc.kill()
+        proc.wait()
 
 
 def _wait_until_up(server: subprocess.Popen, url: str, timeout_s: float, errors) -> None:

@@ -8,6 +8,8 @@ subflow), so the trials land on whatever workers serve that deployment's pool.
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import flow, runtime
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -18,6 +20,7 @@ from tasks.sweep_models import SweepInterrupted, SweepPlan, TrialOutcome, outcom
 from tasks.sweep_results import (
     SweepSummary,
     attach_landed_runs,
+    land_early,
     land_sweep,
     publish_leaderboard,
     summarize,
@@ -50,7 +53,7 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
         config, str(runtime.flow_run.id or "") or None, deployed=bool(runtime.deployment.id)
     )
     try:
-        results, interrupted = run_trials(plan, launch), None
+        results, interrupted = run_trials(plan, launch, partial(land_early, plan)), None
     except SweepInterrupted as exc:  # Ctrl-C, SIGTERM: record what ran, then stop
         results, interrupted = exc.results, exc.cause
     results = attach_landed_runs(plan, results)

@@ -172,6 +172,8 @@ class TrialQueue:
         self._trials = deque(trials)
         self._lock = threading.Lock()
         self.closed = False
+        self.running: set[int] = set()  # trials launched and not yet ended
+        self.ended: dict[int, TrialResult] = {}
 
     def take(self) -> Trial | None:
         """The next trial, or None when every one is taken or the queue is closed."""
@@ -182,6 +184,29 @@ class TrialQueue:
         """Start no more trials: the sweep is stopping."""
         with self._lock:
             self.closed = True
+
+    def launched(self, trial: Trial) -> None:
+        """`trial` is under way."""
+        with self._lock:
+            self.running.add(trial.index)
+
+    def record(self, result: TrialResult) -> TrialResult:
+        """A launched trial has ended with `result` (returned)."""
+        with self._lock:
+            self.ended[result.index] = result
+        return result
+
+    def so_far(self, trials: Iterable[Trial]) -> list[TrialResult]:
+        """Every trial's result as known now: those under way as stopping, with no end
+        recorded yet (what the sweep lands at once when it is interrupted)."""
+        now = time.time()
+        with self._lock:
+            ended, running = dict(self.ended), set(self.running)
+        return [
+            ended.get(t.index)
+            or _never_ran(t, STOPPING_NOW if t.index in running else NOT_STARTED, now)
+            for t in trials
+        ]
 
 
 @task(name="run-trial", cache_policy=NONE, task_run_name="trial-{trial.index}")
@@ -242,11 +267,12 @@ def _admitted(
     if queue.closed:
         return _never_ran(trial, NOT_STARTED, asked)
     started = datetime.now(UTC)
+    queue.launched(trial)
     try:
         outcome = launch(trial, plan)
     except Exception as exc:  # a launcher bug or an API error: this trial only
         outcome = crashed(exc)
-    return _result(trial, outcome, started, datetime.now(UTC), asked)
+    return queue.record(_result(trial, outcome, started, datetime.now(UTC), asked))
 
 
 def _never_ran(trial: Trial, outcome: TrialOutcome, asked: float) -> TrialResult:
@@ -256,6 +282,9 @@ def _never_ran(trial: Trial, outcome: TrialOutcome, asked: float) -> TrialResult
 
 NOT_STARTED = TrialOutcome(
     status="cancelled", error="not started: the sweep was interrupted (Ctrl-C or SIGTERM)"
+)
+STOPPING_NOW = TrialOutcome(
+    status="cancelled", error="stopping: the sweep was interrupted while it ran"
 )
 
 
@@ -277,7 +306,11 @@ def _result(
     )
 
 
-def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
+def run_trials(
+    plan: SweepPlan,
+    launch: Launcher,
+    on_interrupt: Callable[[list[TrialResult]], None] | None = None,
+) -> list[TrialResult]:
     """Run the trials, at most `plan.max_parallel` at once; results in trial order.
 
     With fewer than one per trial, `max_parallel` lanes (`run_lane`) each run trials one
@@ -295,6 +328,10 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
             Deployed trials' runs are cancelled (`cancel_trial_runs`). Before, the threads
             went on starting and running every trial, and the sweep ended minutes later
             with nothing recorded. A second signal stops the wait.
+
+    `on_interrupt` is given every trial's result as known at the interruption, before the
+    wait: a worker cancelling a deployed sweep kills it 30 s after its SIGTERM, which
+    trials slow to stop outlasted, so the sweep was killed with nothing recorded.
     """
     queue, stopping = TrialQueue(plan.trials), threading.Event()
     token = STOPPING.set(stopping)  # submitted tasks run in copies of this context
@@ -312,6 +349,8 @@ def run_trials(plan: SweepPlan, launch: Launcher) -> list[TrialResult]:
                 "sweep interrupted: no trial starts now; waiting for those under way to "
                 "stop (signal again to stop waiting)"
             )
+            if on_interrupt is not None:
+                on_interrupt(queue.so_far(plan.trials))
             results = _gather(futures, _canceller(plan, exc))
             ran, now = {r.index for r in results}, time.time()
             results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]

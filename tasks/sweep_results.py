@@ -216,3 +216,13 @@ def land_sweep(plan: SweepPlan, results: list[TrialResult]) -> int:
     landed = sink.land_sweep(sweep_rows(plan, results))
     get_run_logger().info("landed %d trials of sweep %s", landed, plan.sweep_id)
     return landed
+
+
+def land_early(plan: SweepPlan, results: list[TrialResult]) -> None:
+    """Land the trials as an interrupted sweep knows them, before it waits for those under
+    way to stop; the landing once they have stopped replaces these rows. Never raises:
+    the sweep still has its trials to stop."""
+    try:
+        land_sweep(plan, results)
+    except Exception as exc:
+        get_run_logger().warning("could not land the interrupted sweep's trials yet: %s", exc)

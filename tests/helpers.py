@@ -10,6 +10,20 @@ from workloads.config_file import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Overrides that make configs/tiny.yaml a valid gcp config (a v5litepod-8 slice, gs://).
+GCP_OVERRIDES = (
+    "slice.provider=gcp",
+    "slice.zone=us-west4-a",
+    "slice.accelerator_type=v5litepod-8",
+    "slice.runtime_version=v2-alpha-tpuv5-lite",
+    "slice.wheel=gs://b/tpupipe-0-py3-none-any.whl",
+    "mesh.data=-1",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "storage.root=gs://b/root",
+    "storage.project=test-project",
+)
+
 
 def cut_checkpoint_data(state_dir: Path) -> None:
     """Cut every array data file of a checkpoint's `state` directory in half, as an

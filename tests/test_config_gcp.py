@@ -12,24 +12,11 @@ import pytest
 
 from infra.gcp import clients
 from tasks.plan import plan_run, slice_name
-from tests.helpers import tiny_config
+from tests.helpers import GCP_OVERRIDES, tiny_config
 from workloads.config_file import ConfigError, load_config
 
 # RFC 1035, which TPU node ids follow.
 _NODE_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-
-GCP = (
-    "slice.provider=gcp",
-    "slice.zone=us-west4-a",
-    "slice.accelerator_type=v5litepod-8",
-    "slice.runtime_version=v2-alpha-tpuv5-lite",
-    "slice.wheel=gs://b/tpupipe-0-py3-none-any.whl",
-    "mesh.data=-1",
-    "mesh.fsdp=1",
-    "mesh.tensor=1",
-    "storage.root=gs://b/root",
-    "storage.project=test-project",
-)
 
 
 @pytest.mark.parametrize("name", ["abc-", "x" * 54 + "-", "a--"])
@@ -76,7 +63,7 @@ def test_a_lifetime_shorter_than_provisioning_and_start_up_is_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         tiny_config(
             tmp_path,
-            *GCP,
+            *GCP_OVERRIDES,
             "slice.capacity=spot",
             "slice.max_lifetime_s=3600",  # < queue 3600 + provision 1800 + heartbeat 600
         )

@@ -42,21 +42,9 @@ def test_a_gcp_run_without_credentials_is_refused_before_anything_runs(no_gcloud
     # error naming no field (exit 1, not the invalid-config exit 2).
     from tasks.plan import plan_run
     from tasks.prepare import check_slice_access
-    from tests.helpers import tiny_config
+    from tests.helpers import GCP_OVERRIDES, tiny_config
     from workloads.config_file import ConfigError
 
-    config = tiny_config(
-        no_gcloud,
-        "slice.provider=gcp",
-        "slice.zone=us-west4-a",
-        "slice.accelerator_type=v5litepod-8",
-        "slice.runtime_version=v2-alpha-tpuv5-lite",
-        "slice.wheel=gs://b/tpupipe-0-py3-none-any.whl",
-        "mesh.data=-1",
-        "mesh.fsdp=1",
-        "mesh.tensor=1",
-        "storage.root=gs://b/root",
-        "storage.project=test-project",
-    )
+    config = tiny_config(no_gcloud, *GCP_OVERRIDES)
     with pytest.raises(ConfigError, match=r"slice.project=None.*gcloud auth application-default"):
         check_slice_access(config, plan_run(config))

@@ -159,6 +159,63 @@ def test_an_interrupted_sweep_starts_no_more_trials_and_stops_those_running(
     assert STOPPING.get() is None  # this thread's later watches are not stopped
 
 
+def test_an_interrupted_sweep_lands_its_trials_before_it_waits_for_them(tmp_path, prefect_harness):
+    # A worker cancelling a deployed sweep kills it 30 s after its SIGTERM. The sweep
+    # landed its rows only once its trials had stopped: trials slower to stop than that
+    # left it killed with nothing landed.
+    import os
+    import signal
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from infra.metrics import DuckDBSink
+    from tasks.sweep_results import land_early
+    from tasks.watch import STOPPING
+
+    limit = f"chips-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        sweep_tasks.ensure_chip_limit(limit, 16, 8, client)
+    plan = plan_of(tmp_path, [8] * 3, lanes=2, limit=limit)
+    started, landed = [], threading.Event()
+
+    def slow_to_stop(trial, plan) -> TrialOutcome:
+        started.append(trial.index)
+        STOPPING.get().wait(60)
+        landed.wait(30)  # still stopping when the sweep lands its trials
+        return TrialOutcome(status="failed", error="stopped watching")
+
+    def land_then_go_on(results) -> None:
+        land_early(plan, results)
+        landed.set()
+
+    def interrupt_once_two_run() -> None:
+        deadline = time.monotonic() + 60
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    @flow
+    def interrupted() -> list:
+        threading.Thread(target=interrupt_once_two_run, daemon=True).start()
+        return sweep_tasks.run_trials(plan, slow_to_stop, land_then_go_on)
+
+    start = time.monotonic()
+    with pytest.raises(sweep_tasks.SweepInterrupted):
+        interrupted()
+    assert time.monotonic() - start < 25  # the trials did not wait out their 30 s
+    rows = DuckDBSink(str(tmp_path / "metrics.duckdb")).query(
+        "SELECT trial, status, error FROM sweeps WHERE sweep_id = 'l' ORDER BY trial"
+    )
+    assert [(t, status) for t, status, _ in rows] == [
+        (0, "cancelled"),
+        (1, "cancelled"),
+        (2, "cancelled"),
+    ]
+    assert [error.split(":")[0] for _, _, error in rows] == ["stopping", "stopping", "not started"]
+
+
 def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_sweep_run(
     tmp_path, monkeypatch
 ):

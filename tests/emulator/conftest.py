@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.api_server import stop_process
 from tests.fake_tpu import FakeTpuApi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,15 +48,6 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) ->
                 return
         time.sleep(0.1)
     raise RuntimeError(f"not answering {url} after {timeout_s}s: {log.read_text()[-2000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextlib.contextmanager
@@ -114,13 +106,13 @@ def gcs_emulator(tmp_path_factory) -> Iterator[str]:
     try:
         _wait_http(f"{url}/storage/v1/b", proc, log, 20)
     except RuntimeError as e:
-        _stop(proc)
+        stop_process(proc)
         pytest.skip(f"GCS EMULATOR CANNOT START: {e}")
     try:
         with _env(gcs_env(url)):
             yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="session")
@@ -182,13 +174,13 @@ def bq_emulator(tmp_path_factory) -> Iterator[str]:
     try:
         _wait_http(f"http://{host}/bigquery/v2/projects/{BQ_PROJECT}/datasets", proc, log, 60)
     except RuntimeError as e:
-        _stop(proc)
+        stop_process(proc)
         pytest.skip(f"BIGQUERY EMULATOR CANNOT START: {e}")
     try:
         with _env({"BIGQUERY_EMULATOR_HOST": host}):
             yield host
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture
