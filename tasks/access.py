@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tasks.plan import is_gcs
+from tasks.remote import storage_client
 from workloads.config_file import ConfigError
 
 if TYPE_CHECKING:
@@ -61,18 +62,8 @@ def check_storage_access(config: PipelineConfig) -> None:
     Raises:
         ConfigError: naming storage.project / storage.credentials_block and the fix.
     """
-    if not is_gcs(config.storage.root):
-        return
-    from infra.gcp.clients import CredentialsError, storage_client
-
-    storage = config.storage
-    try:
-        storage_client(storage.project, storage.credentials_block)
-    except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
-        raise ConfigError(
-            f"storage.root {storage.root!r} with storage.project={storage.project!r} and "
-            f"storage.credentials_block={storage.credentials_block!r}: {exc}"
-        ) from None
+    if is_gcs(config.storage.root):
+        storage_client(config)
 
 
 def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:

@@ -23,18 +23,21 @@ logger = logging.getLogger(__name__)
 
 
 def storage_client(config: PipelineConfig) -> Any:
-    """The Cloud Storage client of the run's storage settings.
+    """The Cloud Storage client of the run's storage settings (no API call).
 
     Raises:
-        ConfigError: no credentials, naming storage.credentials_block and the fix.
+        ConfigError: no credentials, or no project could be determined, naming
+            storage.project / storage.credentials_block and the fix.
     """
     from infra.gcp import clients
 
+    storage = config.storage
     try:
-        return clients.storage_client(config.storage.project, config.storage.credentials_block)
-    except clients.CredentialsError as exc:
+        return clients.storage_client(storage.project, storage.credentials_block)
+    except (clients.CredentialsError, OSError) as exc:  # OSError: no project determined
         raise ConfigError(
-            f"storage.credentials_block={config.storage.credentials_block!r}: {exc}"
+            f"storage.root {storage.root!r} with storage.project={storage.project!r} and "
+            f"storage.credentials_block={storage.credentials_block!r}: {exc}"
         ) from None
 
 
