@@ -74,3 +74,46 @@ def test_module_logs_outside_a_run_are_kept_without_a_warning(caplog):
         warnings.simplefilter("error")
         logging.getLogger("workloads.checkpoint").warning("checkpoint step 4 quarantined")
     assert "checkpoint step 4 quarantined" in caplog.messages
+
+
+def test_a_logger_prefect_already_sends_is_sent_once(prefect_harness):
+    # `PREFECT_LOGGING_EXTRA_LOGGERS=infra` gives `infra` Prefect's own API handler, on
+    # top of the one `flows` adds: each line must still reach the run's logs once.
+    from prefect import flow
+    from prefect.context import get_run_context
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger("infra")
+    prefects = APILogHandler()
+    logger.addHandler(prefects)
+    try:
+
+        @flow
+        def pipeline():
+            logging.getLogger("infra.slices.local").info("slice s READY")
+            return get_run_context().flow_run.id
+
+        flow_run_id = pipeline()
+        prefects.flush()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            logs = _api_logs(flow_run_id)
+            if ("infra.slices.local", "slice s READY") in logs:
+                break
+            time.sleep(0.5)
+        time.sleep(2)  # a second copy would have been sent by now
+        logs = _api_logs(flow_run_id)
+    finally:
+        logger.removeHandler(prefects)
+    assert logs.count(("infra.slices.local", "slice s READY")) == 1
+
+
+def test_the_cli_starts_without_importing_prefect():
+    # `tpupipe shard`, `validate` and `report` run no flow: importing Prefect cost them
+    # about a second before anything started.
+    import subprocess
+    import sys
+
+    code = "import sys, flows.cli; print('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

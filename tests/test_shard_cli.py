@@ -110,7 +110,7 @@ def test_a_worker_that_dies_exits_3_with_one_line(tmp_path, capsys, monkeypatch)
 
     def shard_corpus(cfg, out, progress=None):
         with worker_pool(2) as run:
-            list(run(dies_in_a_worker, [os.getpid()] * 20))
+            list(run(dies_in_a_worker, [(os.getpid(), str(tmp_path / "died"))] * 20))
 
     monkeypatch.setattr(tasks.prepare, "shard_corpus", shard_corpus)
     corpus = make_corpus(tmp_path)

@@ -83,20 +83,27 @@ def test_the_first_failing_job_in_order_raises_and_no_later_job_starts(tmp_path)
     assert started[:6] == [0, 1, 2, 3, 4, 5] and len(started) < 12
 
 
-def dies_in_a_worker(parent: int) -> int:
+def dies_in_a_worker(job: tuple[int, str]) -> int:
+    """A job that kills any worker process running it, as the OOM killer would. In the
+    calling process it waits until a worker has died, so the test does not depend on how
+    fast a worker starts: the caller could otherwise run every job before one is up."""
+    parent, marker = job
     if os.getpid() != parent:
-        os._exit(9)  # as the OOM killer would end it
-    time.sleep(0.01)
+        Path(marker).touch()
+        os._exit(9)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return parent
 
 
-def test_a_worker_that_dies_fails_the_run_with_a_clear_error():
+def test_a_worker_that_dies_fails_the_run_with_a_clear_error(tmp_path):
     start = time.monotonic()
     with (
         pytest.raises(RuntimeError, match="a sharding worker process died"),
         worker_pool(2) as run,
     ):
-        list(run(dies_in_a_worker, [os.getpid()] * 20))
+        list(run(dies_in_a_worker, [(os.getpid(), str(tmp_path / "died"))] * 20))
     assert time.monotonic() - start < 30  # not hanging on the dead worker's job
 
 
