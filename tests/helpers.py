@@ -25,11 +25,12 @@ GCP_OVERRIDES = (
 )
 
 
-def cut_checkpoint_data(state_dir: Path) -> None:
+def cut_checkpoint_data(state_dir: Path, process: str = "*") -> None:
     """Cut every array data file of a checkpoint's `state` directory in half, as an
     interrupted copy would leave them. Cutting only the biggest file is not enough: OCDBT
-    data files may end in bytes no longer referenced, so the cut can miss every array."""
-    data_files = [p for p in state_dir.glob("ocdbt.process_*/d/*") if p.is_file()]
+    data files may end in bytes no longer referenced, so the cut can miss every array.
+    `process`: only the files that JAX process wrote (each host writes the shards it holds)."""
+    data_files = [p for p in state_dir.glob(f"ocdbt.process_{process}/d/*") if p.is_file()]
     assert data_files, f"no OCDBT data files under {state_dir}"
     for path in data_files:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

@@ -11,6 +11,7 @@ import pytest
 
 from infra.slices import SliceState
 from tasks.goodput import read_events
+from tests.helpers import cut_checkpoint_data
 from tests.workload_runs import WorkloadRun
 from workloads import checkpoint
 from workloads.events import SUPERSEDED_EXIT, grant_lease
@@ -48,6 +49,30 @@ def test_two_hosts_of_four_devices_match_one_host_of_eight_through_a_preemption(
     # differently: a relative tolerance of 1e-5 on float32 losses, across the resume.
     np.testing.assert_allclose(first_losses(two, 20), first_losses(one, 20), rtol=1e-5)
     assert list((two.run_dir / "logs").glob("*-host1.log"))
+
+
+def test_a_checkpoint_only_one_host_cannot_read_is_quarantined_and_the_hosts_resume_together(
+    tmp_path,
+):
+    # Parameters sharded over fsdp across both hosts: each host writes, and reads back, the
+    # shards it holds. Host 1's files of the final step cut: only host 1's read fails.
+    # The hosts used to disagree in orbax's barriers and stall until the orchestrator's
+    # heartbeat timeout, which counted the stall as a preemption.
+    layout = ("slice.hosts=2", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")
+    run = WorkloadRun(tmp_path, *layout, *EXACT, "train.steps=20", "train.checkpoint_every=10")
+    assert run.run_to_end() == 0
+    first = {row["step"]: row["loss"] for row in run.metrics()}
+    cut_checkpoint_data(run.run_dir / "checkpoints" / "20" / "state", process="1")
+    assert run.wait(run.start(), timeout_s=120) == 0
+    (reason,) = (run.run_dir / "quarantine").glob("20-*/QUARANTINED.txt")
+    assert reason.read_text().startswith("does not restore on host 1: ")
+    rows = run.metrics()
+    starts = [i for i, row in enumerate(rows) if "resumed_from" in row]
+    assert [rows[i]["resumed_from"] for i in starts] == [0, 10]
+    again = {row["step"]: row["loss"] for row in rows[starts[1] :]}
+    assert sorted(again) == list(range(11, 21))
+    assert all(again[s] == first[s] for s in again)  # the same state and batches: exact
+    assert checkpoint.latest_step(str(run.run_dir)) == 20
 
 
 def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_save(tmp_path):

@@ -28,6 +28,7 @@ from workloads.step_metrics import NonFiniteError
 log = logging.getLogger(__name__)
 
 
+REASON_BYTES = 1024  # of a restore problem, as hosts tell each other (see `_agreed_problem`)
 QUARANTINED = "QUARANTINED.txt"  # the reason, in a quarantined step's folder
 COMMIT_MARKER = "commit_success.txt"  # what marks a step committed on GCS (orbax)
 
@@ -61,18 +62,23 @@ def make_manager(
         cleanup_tmp_directories=not read_only,
         create=not read_only,
     )
-    handlers = {
+    handlers = _handlers()
+    if oldest_first:
+        return OldestFirstManager(
+            checkpoint_dir(run_dir), keep, options=options, item_handlers=handlers
+        )
+    return TrainingManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
+
+
+def _handlers() -> dict:
+    """The handlers of a step's three items."""
+    return {
         # Float parameters barely compress (zstd gained ~3% here) while compressing costs
         # the CPU time an async save should leave to training: store them raw.
         "state": ocp.PyTreeCheckpointHandler(use_compression=False),
         "data_iter": ocp.JsonCheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
-    if oldest_first:
-        return OldestFirstManager(
-            checkpoint_dir(run_dir), keep, options=options, item_handlers=handlers
-        )
-    return TrainingManager(checkpoint_dir(run_dir), options=options, item_handlers=handlers)
 
 
 def save(
@@ -115,19 +121,28 @@ def _refuse_non_finite(step: int, state: dict) -> None:
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict, dict, dict]:
-    """Restore `step` onto the shardings of `arrays`; returns (arrays, data_iter, meta)."""
+    """Restore `step` onto the shardings of `arrays`; returns (arrays, data_iter, meta).
+
+    Each host reads its own shards and nothing more: no collective, no barrier, unlike
+    `CheckpointManager.restore`, whose closing barrier a host that failed to read never
+    reaches (see `restore_newest_valid`).
+    """
     from flax import nnx
 
     target = _pure(arrays)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    out = mngr.restore(
-        step,
-        args=ocp.args.Composite(
-            state=_restore_args(abstract),
-            data_iter=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore(),
-        ),
-    )
+    handler = ocp.CompositeCheckpointHandler(**_handlers())
+    try:
+        out = handler.restore(
+            epath.Path(mngr.directory) / str(step),
+            args=ocp.args.Composite(
+                state=_restore_args(abstract),
+                data_iter=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+    finally:
+        handler.close()
     restored = {}
     for key, state in arrays.items():
         copy = jax.tree.map(lambda x: x, state)  # never mutate the caller's state
@@ -204,13 +219,23 @@ def restore_newest_valid(
 
     Each newer checkpoint that fails is quarantined first. Returns (step, arrays, data
     iterator state); (0, arrays, None) when nothing valid exists, with `arrays` untouched.
+
+    With several hosts, each reads its own shards, so a damaged file may fail one host's
+    read only. The hosts then agree on the outcome before anything collective runs: after
+    orbax's restore, a host whose read failed skipped the barrier that closes it while the
+    others waited there, the hosts' collectives no longer matched, and the attempt stalled
+    until the orchestrator's heartbeat timeout.
     """
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             restored, data_state, meta = restore(mngr, step, arrays)
-            problem = state_problem(restored, meta, config_hash)
+            problem = None
         except Exception as exc:  # a truncated or missing file surfaces as any error
             problem = restore_error(exc)
+            log.warning("checkpoint step %d %s", step, problem)
+        problem = _agreed_problem(problem)
+        if problem is None:  # every host holds its shards: collective checks are safe
+            problem = state_problem(restored, meta, config_hash)
         if problem is None:
             return step, restored, data_state
         if jax.process_index() == 0:
@@ -218,6 +243,24 @@ def restore_newest_valid(
         multihost_utils.sync_global_devices(f"quarantine-{step}")
         mngr.reload()
     return 0, arrays, None
+
+
+def _agreed_problem(problem: str | None) -> str | None:
+    """This host's restore problem or, if only other hosts' restores failed, theirs.
+
+    Every host calls it once per step tried, whatever happened on it: the hosts exchange
+    their problems (the first `REASON_BYTES` of each) in one collective.
+    """
+    if jax.process_count() == 1:
+        return problem
+    mine = (problem or "").encode()[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
+    every = multihost_utils.process_allgather(np.frombuffer(mine, np.uint8))
+    reasons = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+    failed = [(host, reason) for host, reason in enumerate(reasons) if reason]
+    if problem is None and failed:
+        host, reason = failed[0]
+        problem = reason.replace("does not restore:", f"does not restore on host {host}:", 1)
+    return problem
 
 
 def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
