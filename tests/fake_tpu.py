@@ -45,10 +45,31 @@ _METADATA = re.compile(
 )
 
 
+# What the real API accepts (RFC 1035 names; GCP's label rules): the fake refuses the rest
+# with INVALID_ARGUMENT, so a name or label the pipeline builds wrongly fails here as it
+# would in the cloud, instead of after sharding and upload there.
+_RESOURCE_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+
+
 class ApiError(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, status: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.status = code, message, status
+
+
+def check_create(kind: str, resource_id: str, node: dict) -> None:
+    """Refuse an id or a node's labels that the real API would (400 INVALID_ARGUMENT)."""
+    for what, value in ((kind, resource_id), ("node", node.get("_node_id", resource_id))):
+        if not isinstance(value, str) or not _RESOURCE_ID.match(value):
+            raise ApiError(400, f"invalid {what} id {value!r}", "INVALID_ARGUMENT")
+    labels = node.get("labels", {})
+    if len(labels) > 64:
+        raise ApiError(400, f"{len(labels)} labels: at most 64", "INVALID_ARGUMENT")
+    for key, value in labels.items():
+        if not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(str(value)):
+            raise ApiError(400, f"invalid label {key}={value!r}", "INVALID_ARGUMENT")
 
 
 class FakeTpuApi:
@@ -162,7 +183,7 @@ class FakeTpuApi:
             with self._lock:
                 return 200, self._dispatch(method, route.groupdict(), query, body)
         except ApiError as e:
-            status = _STATUS.get(e.code, "UNKNOWN")
+            status = e.status or _STATUS.get(e.code, "UNKNOWN")
             return e.code, {"error": {"code": e.code, "message": e.message, "status": status}}
 
     def _inject_fault(self, method: str, path: str) -> None:
@@ -179,6 +200,7 @@ class FakeTpuApi:
             return self._poll_op(f"{parent}/operations/{rid}")
         if kind == "nodes":
             if method == "POST":
+                check_create("node", query["nodeId"], body)
                 return self._create_node(parent, zone, query["nodeId"], body)
             if method == "GET" and rid is None:
                 return {"nodes": [self._node_view(z, n) for (z, n) in self.nodes if z == zone]}
@@ -189,6 +211,9 @@ class FakeTpuApi:
             return self._delete_node(parent, zone, rid)
         if kind == "queuedResources":
             if method == "POST":
+                spec = body.get("tpu", {}).get("nodeSpec", [{}])[0]
+                node = {**spec.get("node", {}), "_node_id": spec.get("nodeId")}
+                check_create("queued resource", query["queuedResourceId"], node)
                 return self._create_qr(parent, zone, query["queuedResourceId"], body)
             if method == "GET" and rid is None:
                 return {

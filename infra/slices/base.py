@@ -14,7 +14,9 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 # GCP resource names are lowercase letters, digits and dashes, at most 63 characters.
-_NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
+# RFC 1035, as GCP names a TPU node or queued resource: a leading digit or a trailing dash
+# passed a looser check here and failed in the API, after sharding and upload.
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # GCP label keys start with a letter; keys and values are lowercase, digits, '_' and '-'.
 _LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
@@ -61,11 +63,15 @@ def validate_name(name: str) -> str:
         The name unchanged.
 
     Raises:
-        ValueError: if it is not 1-63 characters of `[a-z0-9-]`. The local provider also
-            relies on this to keep names from escaping its registry directory.
+        ValueError: if it is not 1-63 characters of `[a-z0-9-]`, starting with a letter and
+            not ending in a dash. The local provider also relies on this to keep names
+            from escaping its registry directory.
     """
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"slice name {name!r} must be 1-63 characters of [a-z0-9-]")
+        raise ValueError(
+            f"slice name {name!r} must be 1-63 characters of [a-z0-9-], starting with a "
+            "letter and not ending in a dash"
+        )
     return name
 
 

@@ -303,3 +303,32 @@ def test_a_worker_failing_in_its_start_up_script_is_reported_as_such(
     assert (
         "slice.wheel" in message and "gs://bucket/wheels/tpupipe-0.1.0-py3-none-any.whl" in message
     )
+
+
+@pytest.mark.parametrize("name", ["tpupipe-r1-", "1-tpupipe", "-tpupipe", "tpupipe_r1", "a" * 64])
+def test_a_slice_name_the_api_would_refuse_is_refused_before_any_call(fake_tpu, name):
+    fake, host = fake_tpu
+    with pytest.raises(ValueError, match="must be 1-63 characters"):
+        make_provider(host).create(spec(name=name))
+    assert fake.calls == []
+
+
+def test_the_longest_names_a_config_allows_give_slices_the_api_accepts(fake_tpu, tmp_path):
+    # The fake answers INVALID_ARGUMENT to ids and labels the real API refuses (shown by
+    # the direct call below), so this is what a run with such names would meet there.
+    from tasks.plan import plan_run, slice_labels
+    from tests.helpers import tiny_config
+
+    fake, host = fake_tpu
+    provider = make_provider(host, capacity="spot")
+    names = ["a" * 63, "9" + "a" * 62, f"{'s' * 51}-t100", "r"]
+    for name in names:
+        plan = plan_run(tiny_config(tmp_path, f"run_name={name}")).model_copy(
+            update={"flow_run_id": "0b9e5f4c-7a43-4cf1-9b4d-1f0c8a1e2d3f"}
+        )
+        labels = slice_labels(plan, attempt=12, ttl_s=86400)
+        made = SliceSpec(**{**spec().__dict__, "name": plan.slice_name, "labels": labels})
+        assert provider.create(made).state is SliceState.READY, name
+    assert len(fake.nodes) == len(names)
+    bad = fake.handle("POST", "/v2/projects/p/locations/z/nodes?nodeId=r1-", {"labels": {}})
+    assert bad[0] == 400 and bad[1]["error"]["status"] == "INVALID_ARGUMENT"
