@@ -125,7 +125,7 @@ def writer_floor(dataset_dir: str, root: Path) -> float:
     start = time.perf_counter()
     for i, records in enumerate(shards):
         out = root / f"floor-{i}.arrayrecord"
-        writer = ArrayRecordWriter(str(out), writer_options(len(records[0])))
+        writer = ArrayRecordWriter(str(out), writer_options())
         for r in records:
             writer.write(r)
         writer.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from workloads.config import PipelineConfig
 from workloads.config_file import load_config
 
@@ -112,6 +114,20 @@ def attempt_events(
     return events
 
 
+def read_sequences(path: str, manifest: dict) -> np.ndarray:
+    """One shard's sequences as stored, shape (count, record length), whatever number of
+    sequences its ArrayRecord records hold."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    dtype = {"uint8": "u1", "uint16": "<u2", "uint32": "<u4"}[manifest["record"]["dtype"]]
+    reader = ArrayRecordReader(path)
+    try:
+        raw = b"".join(reader.read_all())
+    finally:
+        reader.close()
+    return np.frombuffer(raw, dtype=dtype).reshape(-1, manifest["record"]["length"])
+
+
 def as_format_4(dataset_dir: str, out_dir: Path) -> str:
     """A copy of a byte-tokenizer dataset as format 4 wrote it (uint16 ids, EOD stored as
     256, no `record.eod`), in `out_dir`; returns its path. For the reader's and the resume
@@ -119,10 +135,7 @@ def as_format_4(dataset_dir: str, out_dir: Path) -> str:
     import hashlib
     import json
 
-    import numpy as np
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
-
-    from workloads.packing import writer_options
 
     manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
     assert manifest["record"]["dtype"] == "uint8", manifest["record"]
@@ -134,9 +147,10 @@ def as_format_4(dataset_dir: str, out_dir: Path) -> str:
             records = reader.read_all()
             reader.close()
             path = out_dir / shard["name"]
-            writer = ArrayRecordWriter(str(path), writer_options(2 * length))
-            for r in records:
-                raw = np.frombuffer(r, dtype=np.uint8)
+            # Format 4: one sequence per record, several records a chunk.
+            group = min(64, 32768 // (2 * length))
+            writer = ArrayRecordWriter(str(path), f"uncompressed,group_size:{group}")
+            for raw in np.frombuffer(b"".join(records), dtype=np.uint8).reshape(-1, length):
                 ids = raw.astype("<u2")  # widened first: 256 does not fit a uint8
                 ids[raw == 0xFF] = 256
                 writer.write(ids.tobytes())

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordReader
 
+from tests.helpers import read_sequences
 from workloads import data, packing
 from workloads.config import EOD_TOKEN, DatasetConfig
 from workloads.data import DatasetError
@@ -39,13 +39,10 @@ def cfg_for(corpus: Path | str, **kw) -> DatasetConfig:
 def read_records(dataset_dir: str, manifest: dict, split: str) -> np.ndarray:
     """A split's records as token ids: the stored EOD (`record.eod`) read as `eod_token`."""
     record = manifest["record"]
-    dtype = {"uint8": "u1", "uint16": "<u2", "uint32": "<u4"}[record["dtype"]]
-    rows = []
-    for shard in manifest["splits"][split]["shards"]:
-        reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
-        rows += [np.frombuffer(r, dtype=dtype) for r in reader.read_all()]
-        reader.close()
-    raw = np.stack(rows)
+    shards = manifest["splits"][split]["shards"]
+    raw = np.concatenate(
+        [read_sequences(os.path.join(dataset_dir, shard["name"]), manifest) for shard in shards]
+    )
     ids = raw.astype(np.int64)
     ids[raw == record.get("eod", manifest["tokenizer"]["eod_token"])] = manifest["tokenizer"][
         "eod_token"
@@ -159,7 +156,9 @@ def test_shards_hold_each_splits_stream(tmp_path):
     m = result.manifest
     assert not result.cached and m == data.load_manifest(result.dataset_dir)
     # Byte tokens take one byte each; EOD (256) is stored as 0xFF, never a byte of UTF-8.
-    assert m["record"] == {"dtype": "uint8", "length": 17, "byte_order": "little", "eod": 255}
+    assert m["record"] == {
+        "dtype": "uint8", "length": 17, "byte_order": "little", "eod": 255, "sequences": 64
+    }
     assert m["tokenizer"] == {"kind": "bytes", "vocab_size": 257, "eod_token": 256}
     assert sorted(files_of(result.dataset_dir)) == [
         "eval-00000-of-00001.arrayrecord",

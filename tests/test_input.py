@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordReader
 
+from tests.helpers import read_sequences
 from workloads import data, input
 from workloads.config import EOD_TOKEN, DatasetConfig
 from workloads.data import DatasetError
@@ -28,7 +28,8 @@ def dataset_dir(tmp_path_factory) -> str:
         (corpus / f"doc{i}.txt").write_text(
             "".join(rng.choice("abcdefgh ij\n") for _ in range(size))
         )
-    cfg = DatasetConfig(sources=[str(corpus)], seq_len=SEQ, num_shards=3, eval_fraction=0.2)
+    # Two train shards of 86 sequences and an eval shard of 85: records of 64 and a rest.
+    cfg = DatasetConfig(sources=[str(corpus)], seq_len=SEQ, num_shards=2, eval_fraction=0.2)
     return data.shard_dataset(cfg, root / "out").dataset_dir
 
 
@@ -36,12 +37,10 @@ def all_records(dataset_dir: str, split: str) -> np.ndarray:
     """A split's records as the model's ids: bytes, with the stored 0xFF read as EOD."""
     manifest = data.load_manifest(dataset_dir)
     assert manifest["record"]["dtype"] == "uint8" and manifest["record"]["eod"] == 0xFF
-    rows = []
-    for shard in manifest["splits"][split]["shards"]:
-        reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
-        rows += [np.frombuffer(r, dtype=np.uint8) for r in reader.read_all()]
-        reader.close()
-    raw = np.stack(rows)
+    shards = manifest["splits"][split]["shards"]
+    raw = np.concatenate(
+        [read_sequences(os.path.join(dataset_dir, shard["name"]), manifest) for shard in shards]
+    )
     return np.where(raw == 0xFF, EOD_TOKEN, raw.astype(np.int32))
 
 
@@ -149,7 +148,7 @@ def test_incomplete_dataset_is_refused(tmp_path, dataset_dir):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "manifest.json").write_text(Path(dataset_dir, "manifest.json").read_text())
-    with pytest.raises(DatasetError, match="train-00000-of-00003"):
+    with pytest.raises(DatasetError, match="train-00000-of-00002"):
         input.train_iterator(broken, 2, 0)
     with pytest.raises(ValueError, match="shard_index"):
         input.train_iterator(dataset_dir, 2, 0, shard_index=2, shard_count=2)
@@ -205,3 +204,41 @@ def test_a_state_resumes_only_the_same_global_batch_and_seed(dataset_dir):
     old = input.train_iterator(dataset_dir, 4, seed=1)
     input.restore_iterator_state(old, {"next_index": saved["next_index"]})
     np.testing.assert_array_equal(next(old)["inputs"], want)
+
+
+def test_sequences_are_found_across_records_and_shards_and_a_miscount_is_refused():
+    # Shards of 130, 5 and 64 sequences, 64 a record: records of 64, 64, 2 | 5 | 64.
+    counts, per, size = [130, 5, 64], 64, 3
+    sequences = [bytes([i % 251, i // 251, 7]) for i in range(sum(counts))]
+    records, at = [], 0
+    for count in counts:
+        shard = sequences[at : at + count]
+        records += [b"".join(shard[i : i + per]) for i in range(0, count, per)]
+        at += count
+
+    class Records(list):
+        def __getitems__(self, indices):
+            return [self[i] for i in indices]
+
+    source = input.SequenceSource(Records(records), counts, per, size)
+    assert len(source) == 199
+    assert [source[i] for i in range(len(source))] == sequences
+    picks = [198, 0, 129, 130, 134, 135, 64, 63, 130]
+    assert source.__getitems__(picks) == [sequences[i] for i in picks]
+    with pytest.raises(IndexError):
+        source[199]
+    with pytest.raises(DatasetError, match="the shards hold 4 records, their manifest counts 5"):
+        input.SequenceSource(Records(records[:4]), counts, per, size)
+
+
+def test_shards_hold_several_sequences_a_record(dataset_dir):
+    manifest = data.load_manifest(dataset_dir)
+    assert manifest["record"]["sequences"] == 64  # 17-byte sequences: 64 fit in 32 KiB
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    shards = manifest["splits"]["train"]["shards"] + manifest["splits"]["eval"]["shards"]
+    assert all(shard["records"] % 64 and shard["records"] > 64 for shard in shards)
+    for shard in shards:
+        reader = ArrayRecordReader(os.path.join(dataset_dir, shard["name"]))
+        assert reader.num_records() == -(-shard["records"] // 64)
+        reader.close()

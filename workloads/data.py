@@ -56,6 +56,7 @@ from workloads.outdir import claimed
 from workloads.packing import (
     UnitJob,
     finished_unit,
+    record_sequences,
     tokenize_unit,
     write_shard,
 )
@@ -319,6 +320,7 @@ def _manifest(
             "length": cfg.seq_len + 1,
             "byte_order": "little",
             "eod": tokenizer.stored_eod,
+            "sequences": record_sequences(cfg.seq_len, tokenizer.dtype),
         },
         "seq_len": cfg.seq_len,
         "splits": split_entries(splits, cfg.seq_len),

@@ -8,6 +8,8 @@ eval split in order, padding the last batch instead of dropping real records.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 import os
@@ -20,13 +22,19 @@ import grain
 import numpy as np
 
 from workloads.dataset_cache import local_dataset
-from workloads.manifest import load_manifest, record_dtype, shard_paths, stored_eod
+from workloads.manifest import (
+    load_manifest,
+    record_dtype,
+    sequences_per_record,
+    shard_paths,
+    stored_eod,
+)
 from workloads.sources import DatasetError
 
 
 class _ChunkAdviceFilter(logging.Filter):
-    """Drop grain's log line asking for `group_size:1` files: ours hold several records
-    per chunk on purpose, which measured 4x faster to read (see packing.writer_options)."""
+    """Drop grain's log line asking for `group_size:1` files: datasets of formats 3-5 hold
+    several records per chunk on purpose, which measured 4x faster to read."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Grain requires group size 1" not in record.getMessage()
@@ -110,7 +118,58 @@ def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict
     if missing:
         # The reader would otherwise fail later with a less helpful C++ error.
         raise DatasetError(f"dataset shard {missing[0]} listed in the manifest is missing")
-    return grain.sources.ArrayRecordDataSource(paths), manifest
+    records = grain.sources.ArrayRecordDataSource(paths)
+    per = sequences_per_record(manifest)
+    if per == 1:
+        return records, manifest
+    counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
+    size = manifest["record"]["length"] * record_dtype(manifest).itemsize
+    return SequenceSource(records, counts, per, size), manifest
+
+
+class SequenceSource:
+    """Random access to single sequences, over shards whose ArrayRecord records hold `per`
+    sequences each (a shard's last record the rest): what grain samples and batches.
+
+    Args:
+        records: The split's records, its shards in order.
+        counts: Sequences in each shard (the manifest's `records`).
+        per: Sequences per record (`record.sequences`).
+        sequence_bytes: Bytes of one sequence.
+    """
+
+    def __init__(self, records: Any, counts: Sequence[int], per: int, sequence_bytes: int):
+        self._records, self._per, self._bytes = records, per, sequence_bytes
+        # Python ints and `bisect`: numpy's per-item overhead cost the loader ~10%.
+        self._first_sequence = list(itertools.accumulate(counts, initial=0))
+        self._first_record = list(itertools.accumulate((-(-c // per) for c in counts), initial=0))
+        if self._first_record[-1] != len(records):
+            raise DatasetError(
+                f"the shards hold {len(records)} records, their manifest counts "
+                f"{self._first_record[-1]} ({self._first_sequence[-1]} sequences, {per} a record)"
+            )
+
+    def __len__(self) -> int:
+        return self._first_sequence[-1]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(record, byte offset in it) of sequence `index`."""
+        index = int(index)
+        if not 0 <= index < self._first_sequence[-1]:
+            raise IndexError(f"sequence {index} is not in [0, {len(self)})")
+        shard = bisect.bisect_right(self._first_sequence, index) - 1
+        within = index - self._first_sequence[shard]
+        return self._first_record[shard] + within // self._per, (within % self._per) * self._bytes
+
+    def __getitem__(self, index: int) -> bytes:
+        record, at = self._locate(index)
+        return self._records[record][at : at + self._bytes]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
+        where = [self._locate(i) for i in indices]
+        wanted = sorted({record for record, _ in where})
+        read = dict(zip(wanted, self._records.__getitems__(wanted), strict=True))
+        return [read[record][at : at + self._bytes] for record, at in where]
 
 
 def _stack(manifest: dict) -> Any:

@@ -21,13 +21,14 @@ from workloads.sources import DatasetError
 MANIFEST = "manifest.json"
 # 3: ArrayRecord chunks of several records (packing.writer_options); 4: a leading UTF-8 BOM
 # is no longer text and Parquet strings are checked, so a dataset built before is redone;
-# 5: the byte tokenizer's ids stored as uint8, EOD as 0xFF (`record.eod`; see workloads.tokens).
-FORMAT_VERSION = 5
+# 5: the byte tokenizer's ids stored as uint8, EOD as 0xFF (`record.eod`; see workloads.tokens);
+# 6: several sequences per ArrayRecord record (`record.sequences`; packing.record_sequences).
+FORMAT_VERSION = 6
 # Version 1 (uint16, byte tokenizer) has every field readers use; before 5, `record` has no
 # `eod` and the stored EOD is the tokenizer's.
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # From this version on, the same sources and options give the same token ids in the same
-# records (5 changed only how ids are stored): a run may resume over either (`same_records`).
+# records (5 and 6 changed only how ids are stored): a run may resume over either (`same_records`).
 SAME_RECORDS_SINCE = 4
 TMP_PREFIX = ".tmp-"
 SPLITS = ("train", "eval")
@@ -58,6 +59,9 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
         _ = manifest["seq_len"], manifest["tokenizer"]["eod_token"]
         if not 0 <= stored_eod(manifest) <= np.iinfo(record_dtype(manifest)).max:
             raise ValueError(f"record eod {stored_eod(manifest)} does not fit its dtype")
+        per = sequences_per_record(manifest)
+        if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+            raise ValueError(f"record sequences {per!r} is not a positive integer")
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
     return manifest
@@ -75,6 +79,12 @@ def stored_eod(manifest: dict) -> int:
     """The id the records hold for EOD (0xFF in uint8 records; readers map it back to the
     tokenizer's `eod_token`)."""
     return int(manifest["record"].get("eod", manifest["tokenizer"]["eod_token"]))
+
+
+def sequences_per_record(manifest: dict) -> int:
+    """Sequences each ArrayRecord record holds (the last of a shard may hold fewer): 1
+    before format 6."""
+    return manifest["record"].get("sequences", 1)
 
 
 def shard_paths(dataset_dir: str | os.PathLike, manifest: dict, split: str) -> list[str]:
