@@ -315,3 +315,17 @@ def test_a_dataset_directory_left_in_a_source_is_not_corpus(tmp_path):
     assert sorted(s["key"] for s in again.manifest["sources"]) == want
     with pytest.raises(DatasetError, match=r"is a tpupipe dataset directory .*not a corpus"):
         data.resolve_sources([first.dataset_dir])
+
+
+def test_the_default_corpus_shards_as_it_is_and_a_users_corpus_stays_strict(tmp_path):
+    # The nightly deployment and a UI run that gives no dataset use the default config:
+    # strict decoding refused the 4 deliberately non-UTF-8 test files of the stdlib.
+    result = data.shard_dataset(DatasetConfig(), tmp_path / "out")
+    assert result.manifest["splits"]["train"]["records"] > 0
+    corpus = make_corpus(tmp_path)
+    (corpus / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"latin1.txt: invalid UTF-8 at byte offset 3"):
+        data.shard_dataset(DatasetConfig(sources=[str(corpus)], seq_len=16), tmp_path / "u")
+    strict = DatasetConfig(sources=["stdlib"], errors="strict")
+    with pytest.raises(DatasetError, match="invalid UTF-8"):  # asked for: still strict
+        data.shard_dataset(strict, tmp_path / "s")

@@ -80,7 +80,8 @@ class DatasetConfig(_Strict):
     errors: Literal["strict", "replace"] = Field(
         "strict",
         description="Invalid UTF-8 in a source: 'strict' fails naming the file and byte "
-        "offset; 'replace' substitutes U+FFFD.",
+        "offset; 'replace' substitutes U+FFFD. Unset with sources [stdlib] alone: "
+        "'replace' (4 of the standard library's test files are deliberately not UTF-8).",
     )
     seq_len: Int = Field(128, ge=8, le=32768, description="Tokens per training sequence.")
     eval_fraction: Float = Field(
@@ -106,6 +107,18 @@ class DatasetConfig(_Strict):
             "change the bytes."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stdlib_reads_with_replace(cls, data: Any) -> Any:
+        # The default corpus must train as it is: the nightly deployment and a UI run with
+        # no dataset given use it, and strict decoding refused its 4 non-UTF-8 test files.
+        # A user's own corpus keeps strict decoding unless asked, and so does an explicit
+        # `errors: strict`.
+        stdlib_alone = isinstance(data, dict) and data.get("sources", ["stdlib"]) == ["stdlib"]
+        if stdlib_alone and "errors" not in data:
+            return {**data, "errors": "replace"}
+        return data
 
     @field_validator("sources")
     @classmethod
