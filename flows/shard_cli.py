@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # Imports Prefect (~2 s): only when there is work to do.
+    from infra.gcp.clients import CredentialsError
     from tasks.prepare import DatasetError, shard_corpus
     from workloads.shard_pool import WorkerDied
 
@@ -124,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
             view.stop()
             print(f"sharding failed: {exc}", file=sys.stderr)
             return 3 if isinstance(exc, WorkerDied) else 1
+        except CredentialsError as exc:  # gs:// sources without usable credentials
+            view.stop()
+            print(f"sharding failed: cannot read gs:// sources: {exc}", file=sys.stderr)
+            return 1
     splits = result.manifest["splits"]
     state = "found (cached)" if result.cached else "written"
     print(

@@ -30,6 +30,7 @@ def check_backend_access(config: PipelineConfig, plan: RunPlan) -> None:
     """
     check_slice_access(config, plan)
     check_storage_access(config)
+    check_source_access(config)
     check_metrics_access(config, plan)
 
 
@@ -64,6 +65,28 @@ def check_storage_access(config: PipelineConfig) -> None:
     """
     if is_gcs(config.storage.root):
         storage_client(config)
+
+
+def check_source_access(config: PipelineConfig) -> None:
+    """Credentials for `gs://` dataset sources resolve (no API call). Sources are read
+    with Application Default Credentials, as orbax and epath read `gs://` paths; without
+    them, listing the sources failed with a bare CredentialsError (exit 1).
+
+    Raises:
+        ConfigError: naming dataset.sources and the fix.
+    """
+    remote = [s for s in config.dataset.sources if s.startswith("gs://")]
+    if not remote:
+        return
+    from infra.gcp.clients import CredentialsError
+    from infra.gcp.clients import storage_client as gcs_client
+
+    try:
+        gcs_client()
+    except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
+        raise ConfigError(
+            f"dataset.sources {remote[0]!r} is read with Application Default Credentials: {exc}"
+        ) from None
 
 
 def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:

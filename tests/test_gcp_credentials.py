@@ -48,3 +48,31 @@ def test_a_gcp_run_without_credentials_is_refused_before_anything_runs(no_gcloud
     config = tiny_config(no_gcloud, *GCP_OVERRIDES)
     with pytest.raises(ConfigError, match=r"slice.project=None.*gcloud auth application-default"):
         check_slice_access(config, plan_run(config))
+
+
+def test_gs_sources_without_credentials_are_refused_naming_the_field(no_gcloud):
+    # Listing the sources failed with a bare CredentialsError: exit 1, no field named.
+    from tasks.access import check_backend_access
+    from tasks.plan import plan_run
+    from tests.helpers import tiny_config
+    from workloads.config_file import ConfigError
+
+    config = tiny_config(no_gcloud, "dataset.sources=[gs://corpus-bucket/text/]")
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset.sources 'gs://corpus-bucket/text/' is read with Application Default "
+        r"Credentials: .*gcloud auth application-default login",
+    ):
+        check_backend_access(config, plan_run(config))
+
+
+def test_tpupipe_shard_of_gs_sources_without_credentials_says_so_in_one_line(
+    no_gcloud, capsys
+):
+    from flows.cli import main
+
+    out = str(no_gcloud / "ds")
+    assert main(["shard", "--source", "gs://corpus-bucket/text/", "--out", out]) == 1
+    err = capsys.readouterr().err
+    assert "sharding failed: cannot read gs:// sources: " in err
+    assert "gcloud auth application-default login" in err and "Traceback" not in err
