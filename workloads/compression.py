@@ -51,8 +51,13 @@ def open_decompressed(fh: BinaryIO) -> tuple[BinaryIO, str | None]:
     """`fh` (binary, at offset 0) as a stream of its decompressed bytes, and the codec's
     name; `fh` itself and None when it is not compressed. A decompressing stream has
     `peek` (not every one can seek back)."""
-    head = fh.read(10)
-    fh.seek(0)
+    if hasattr(fh, "peek"):
+        # Peeked bytes stay in the buffer: reading and seeking back would discard the
+        # buffer of a store's reader and fetch the object's first chunk again.
+        head = fh.peek(10)[:10]
+    else:
+        head = fh.read(10)
+        fh.seek(0)
     codec = codec_of(head)
     if codec == "gzip":
         return gzip.GzipFile(fileobj=fh, mode="rb"), codec

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from workloads import compression
-from workloads.sources import DatasetError, SourceFile, SourceStore, open_source
+from workloads.sources import DatasetError, SourceFile, SourceStore, changed, open_source
 
 if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
@@ -93,10 +93,10 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
         DatasetError: naming the file and line, row or byte offset at fault.
     """
     fmt = opts.format_of(src.uri)
-    if fmt == "parquet":
-        yield from _parquet(fh, src, opts)
-        return
     try:
+        if fmt == "parquet":
+            yield from _parquet(fh, src, opts)
+            return
         stream, codec = compression.open_decompressed(fh)
         where = f"of the {codec}-decompressed file" if codec else "of the file"
         start = _skip_bom(stream)
@@ -106,6 +106,8 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
             yield from _lines(stream, src, opts, where, start)
         else:
             yield from _jsonl(stream, src, opts, where, start)
+    except FileNotFoundError as exc:  # a store's object replaced while read: not bad data
+        raise changed(src) from exc
     except compression.ERRORS as exc:  # e.g. a truncated or corrupt compressed stream
         raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
 
@@ -113,7 +115,8 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
 def _skip_bom(stream: BinaryIO) -> int:
     """Skip a byte order mark at the start of `stream` (some Windows tools write one);
     returns its length, 0 or 3. Checked once per file, not per line. Decompressing streams
-    cannot all seek back, but they can peek; a file from a store may not peek, but seeks."""
+    cannot all seek back, but they can peek, as can files (local and from a store, whose
+    buffer a seek back would discard); a stream without `peek` must seek."""
     n = len(_BOM)
     if not hasattr(stream, "peek"):
         if stream.read(n) == _BOM:
@@ -273,6 +276,8 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
     field = cfg.text_field
     try:
         pf = pq.ParquetFile(fh)
+    except FileNotFoundError:
+        raise  # the object changed while read (iter_documents says so)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{src.uri}: not a readable Parquet file: {exc}") from None
     schema = pf.schema_arrow
@@ -303,6 +308,8 @@ def _parquet(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterator[bytes]
             column = pf.reader.read_row_group(group, column_indices=[leaf]).column(0)
             for child in path[1:]:  # a nested column is read as its parents' structs
                 column = pc.struct_field(column, child.name)
+        except FileNotFoundError:
+            raise
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(
                 f"{src.uri}: cannot read column {field!r} of row group {group}: {exc}"

@@ -32,7 +32,8 @@ class SourceStore(Protocol):
         ...
 
     def open(self, uri: str, generation: int | None = None) -> BinaryIO:
-        """A binary, seekable reader of `uri`, of exactly `generation` when given."""
+        """A binary, seekable reader of `uri`, of exactly `generation` when given; its
+        reads raise `FileNotFoundError` if the object changes while it is read."""
         ...
 
 
@@ -66,14 +67,13 @@ def open_source(src: SourceFile, store: SourceStore | None) -> BinaryIO:
     Raises:
         DatasetError: naming the file, if it cannot be opened or has changed.
     """
-    changed = f"dataset source {src.uri} changed since it was listed; run again"
     if src.remote:
         if store is None:
             raise DatasetError(f"dataset source {src.uri} needs a storage backend to read")
         try:
             return store.open(src.uri, generation=src.version)
         except FileNotFoundError as exc:
-            raise DatasetError(changed) from exc
+            raise changed(src) from exc
         except Exception as exc:
             raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
     try:
@@ -86,15 +86,22 @@ def open_source(src: SourceFile, store: SourceStore | None) -> BinaryIO:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (src.size, src.version):
         fh.close()
-        raise DatasetError(changed)
+        raise changed(src)
     return fh
+
+
+def changed(src: SourceFile) -> DatasetError:
+    """The error for a source that is no longer the one listed: when opened, or when a
+    store's reader raises `FileNotFoundError` mid-read (the object was replaced)."""
+    return DatasetError(f"dataset source {src.uri} changed since it was listed; run again")
 
 
 def check_unchanged(fh: BinaryIO, src: SourceFile) -> None:
     """Refuse a local source that changed while it was read (a log still being appended
     to, say): the bytes read may then be neither the old file nor the new one, and the
     manifest would record the size and mtime of the old. One `fstat` per file, after its
-    last read. An object generation never changes, so remote sources need no check.
+    last read. Remote sources are checked by the store's reader at every read instead
+    (`SourceStore.open`; the caller turns its `FileNotFoundError` into `changed`).
 
     Raises:
         DatasetError: naming the file, if its size or mtime differ from the listing's.
