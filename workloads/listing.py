@@ -3,9 +3,10 @@
 A source entry is a local file, a directory (every regular file below it, hidden ones such
 as `.git/` or `.DS_Store` excepted), a glob (`**` allowed), `stdlib` (this Python's standard
 library `.py` files, a corpus every machine has) or a `scheme://` URI such as
-`gs://bucket/prefix` (every object under the prefix, hidden ones excepted likewise; `*`, `?`
-and `[...]` match within the listing). Local paths are handled here; URIs go through a
-`SourceStore` the caller passes in, so this module never imports a cloud SDK.
+`gs://bucket/prefix` (every object under the prefix, hidden ones excepted likewise; a glob
+of one matches as a local glob does, see `workloads.uri_listing`). Local paths are handled
+here; URIs go through a `SourceStore` the caller passes in, so neither module imports a
+cloud SDK.
 
 Each file gets a `key`: its path relative to the root of the entry that named it (a file
 entry: its base name). The key, not the absolute path, decides a document's train/eval split,
@@ -29,6 +30,7 @@ import sysconfig
 from workloads.manifest import MANIFEST
 from workloads.outdir import is_dataset_dir
 from workloads.sources import DatasetError, SourceFile, SourceStore
+from workloads.uri_listing import expand_uri
 
 _GLOB = re.compile(r"[*?\[]")
 
@@ -68,7 +70,7 @@ def resolve_sources(
     found: dict[str, SourceFile] = {}
     for entry in sources:
         if "://" in entry:
-            files = [(f.uri, f) for f in _expand_uri(entry, store)]
+            files = [(f.uri, f) for f in expand_uri(entry, store)]
         else:
             files = _expand_local(entry, skip)
         if not files:
@@ -315,39 +317,3 @@ def _local(path: str, root: str, entry: os.DirEntry | None = None) -> SourceFile
 def _not_regular(path: str, mode: int) -> str:
     kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
     return f"dataset source {path} is {kind}, not a regular file; only files are read"
-
-
-def _expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
-    if store is None:
-        scheme = entry.split("://", 1)[0]
-        raise DatasetError(
-            f"dataset source {entry!r} needs a storage backend for {scheme}:// "
-            "(the pipeline and `tpupipe shard` provide one)"
-        )
-    pattern = entry if _GLOB.search(entry) else None
-    prefix = entry if pattern is None else _GLOB.split(entry, maxsplit=1)[0]
-    # Keys are relative to the prefix taken as a directory (like a local directory entry),
-    # or to a pattern's last "/" before its first wildcard.
-    root = entry.rstrip("/") + "/" if pattern is None else prefix.rsplit("/", 1)[0] + "/"
-    try:
-        listing = list(store.list(prefix))
-    except Exception as exc:  # any backend failure, named by the entry the user gave
-        raise DatasetError(f"cannot list dataset source {entry!r}: {exc}") from exc
-    hidden_ok = pattern is not None and "/." in pattern[len(root) - 1 :]  # asked for by name
-    out = []
-    for obj in listing:
-        if obj.uri.endswith("/"):
-            continue  # "directory" placeholder objects hold no text
-        if pattern is None and obj.uri != entry and not _under(obj.uri, entry):
-            continue  # prefix "gs://b/data" must not take "gs://b/database.txt"
-        if pattern is not None and not fnmatch.fnmatchcase(obj.uri, pattern):
-            continue
-        key = obj.uri.rsplit("/", 1)[1] if obj.uri == entry else obj.uri[len(root) :]
-        if obj.uri != entry and not hidden_ok and any(p.startswith(".") for p in key.split("/")):
-            continue  # as in local walks: an uploaded .git/ or .DS_Store is not corpus
-        out.append(SourceFile(obj.uri, key, int(obj.size), int(obj.generation)))
-    return out
-
-
-def _under(uri: str, prefix: str) -> bool:
-    return uri.startswith(prefix if prefix.endswith("/") else prefix + "/")
