@@ -6,9 +6,10 @@ and write a PNG of its loss curve and attempt timeline.
     tpupipe report demo --config configs/demo.yaml \\
         --set cost.priced_as=v5litepod-8 --set cost.region=us-central1   # re-price it
 
-The run is priced by its own config.json, or by the cost section of `--config` when one is
-given. Exits 0 with the report, 1 when the run does not exist (naming the runs that do),
-its price table cannot be read or the plot cannot be written, 2 on an invalid config.
+Each attempt is priced as it recorded (older attempts: by the run's config.json), or by the
+cost section of `--config` when one is given. Exits 0 with the report, 1 when the run does
+not exist (naming the runs that do), its price table cannot be read or the plot cannot be
+written, 2 on an invalid config.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import replace
 from datetime import UTC, datetime
 
 from prefect import get_run_logger, task
@@ -15,7 +14,7 @@ from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
 from tasks.goodput import read_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.plan import RunPlan
-from tasks.pricing import PriceTableError, price_for, slice_price
+from tasks.pricing import price_or_unpriced
 from tasks.progress import loss_curve_link, write_loss_curve
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
@@ -90,18 +89,17 @@ def build_rows(
 
 
 def run_ledger(config: PipelineConfig, run_dir: str) -> Ledger:
-    """The run's cost ledger from its events.jsonl, priced by its config."""
-    try:
-        price = price_for(config)
-    except PriceTableError as exc:
-        # The validate stage checked the table; one broken since must not lose the row.
-        price = replace(slice_price(config), source=f"not priced: {exc}")
+    """The run's cost ledger from its events.jsonl: each attempt priced as it recorded,
+    one recorded by an older version by the run's config."""
+    # The validate stage checked the table; one broken since must not lose the row.
+    price = price_or_unpriced(config)
     events = read_events(f"{run_dir}/{EVENTS}")
     return compute_ledger(events, price, tokens_per_step(config))
 
 
 def ledger_fields(ledger: Ledger) -> dict:
-    """The `runs` columns of the goodput-and-cost ledger."""
+    """The `runs` columns of the goodput-and-cost ledger: `chip_hours` and `cost_usd` sum
+    every attempt at its own price; `chips` and the price are the last attempt's."""
     good, price = ledger.goodput, ledger.price
     return {
         "attempts": good.attempts,

@@ -16,6 +16,11 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
   the flow or the reaper) is billed to its end (`attempt_ended`, else its last event).
 - Failed creates and the back-off between them bill nothing: no node existed.
 
+Chips and price are the attempt's own: it records them when it asks for its slice
+(`tasks.pricing.attempt_pricing`, on `provision_requested`), since a rerun may run on
+another slice, priced otherwise, and must not re-price the attempts before it. An attempt
+recorded by an older version, without that record, is billed at the run's current config.
+
 Google bills Cloud TPU "while your TPU node is in a READY state" (cloud.google.com/tpu/
 pricing), so the ledger errs high where it counts a node that may not be READY yet or any
 more (an on-demand node being created; a preempted node until it is deleted); it never
@@ -25,11 +30,12 @@ productive steps: work a checkpoint kept, each step once) × global batch × seq
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tasks.attempts import by_attempt
 from tasks.goodput import AttemptTimeline, Goodput, attempt_timelines, compute_goodput
-from tasks.pricing import Price
+from tasks.pricing import Price, recorded_price
 from workloads.config import PipelineConfig
 
 SECONDS_PER_HOUR = 3600.0
@@ -40,6 +46,7 @@ class AttemptCost:
     """One attempt's timeline with its billing window, chip-hours and cost."""
 
     timeline: AttemptTimeline
+    price: Price  # what the attempt ran on and is charged at (chips, USD per chip-hour)
     billed_from: float | None  # None: no slice was ever ready in this attempt
     billed_to: float | None
     chip_hours: float
@@ -55,7 +62,8 @@ class AttemptCost:
 
 @dataclass(frozen=True)
 class Ledger:
-    """A run's cost next to its goodput."""
+    """A run's cost next to its goodput. `price` is the last attempt's (the config's when
+    there is none); `chip_hours` and `cost_usd` sum each attempt at its own price."""
 
     price: Price
     goodput: Goodput
@@ -103,42 +111,56 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
     return start, max(end, start)
 
 
-def compute_ledger(events: list[dict], price: Price, tokens_per_step: int) -> Ledger:
+def compute_ledger(
+    events: list[dict],
+    price: Price,
+    tokens_per_step: int,
+    price_of: Callable[[dict], Price] = recorded_price,
+) -> Ledger:
     """The run's ledger from its events.
 
     Args:
         events: every event of the run (any order).
-        price: what one chip-hour costs (`tasks.pricing.price_for`), with the chip count.
+        price: the price of an attempt that recorded none (an older version's), with the
+            chip count: the run's config's (`tasks.pricing.price_for`).
         tokens_per_step: training tokens per optimizer step (global batch × seq_len).
+        price_of: an attempt's price from the event that recorded it (default: the price
+            recorded; `tasks.pricing.reprice` to re-price the run with another cost).
 
     Returns:
         Per-attempt billing windows, chip-hours and cost; run totals; tokens that count.
     """
     groups = by_attempt(events)
-    usd = price.usd_per_chip_hour
     attempts = []
     for line in attempt_timelines(events):
-        window = billing_window(groups[line.attempt], price.capacity)
+        group = groups[line.attempt]
+        record = next((e for e in group if "price" in e), None)
+        own = price if record is None else price_of(record)
+        window = billing_window(group, own.capacity)
         seconds = window[1] - window[0] if window else 0.0
-        chip_hours = price.chips * seconds / SECONDS_PER_HOUR
+        chip_hours = own.chips * seconds / SECONDS_PER_HOUR
+        usd = own.usd_per_chip_hour
         attempts.append(
             AttemptCost(
                 timeline=line,
+                price=own,
                 billed_from=window[0] if window else None,
                 billed_to=window[1] if window else None,
                 chip_hours=chip_hours,
                 cost_usd=None if usd is None else chip_hours * usd,
             )
         )
-    chip_hours = sum(a.chip_hours for a in attempts)
+    # Not priced if any attempt is not: a partial sum would pass for the run's cost.
+    costs = [a.cost_usd for a in attempts] or [None if price.usd_per_chip_hour is None else 0.0]
+    unpriced = any(c is None for c in costs)
     return Ledger(
-        price=price,
+        price=attempts[-1].price if attempts else price,
         goodput=compute_goodput(events),
         attempts=attempts,
         tokens_per_step=tokens_per_step,
         steps=sum(a.timeline.steps_kept for a in attempts),
-        chip_hours=chip_hours,
-        cost_usd=None if usd is None else chip_hours * usd,
+        chip_hours=sum(a.chip_hours for a in attempts),
+        cost_usd=None if unpriced else sum(c or 0.0 for c in costs),
     )
 
 

@@ -11,6 +11,11 @@ priced at another capacity than its `slice.capacity` with `cost.capacity`.
 Local slices are priced only as the TPU type the user says they stand for
 (`cost.priced_as` in `cost.region`); otherwise, and wherever the table has no figure, the
 run is reported as not priced (None), never at a made-up price.
+
+A rerun may change the slice (and the cost section), so each attempt records its price
+and its slice when it asks for one (`attempt_pricing`, on `provision_requested`): the
+ledger bills every attempt at its own record (`recorded_price`), and an attempt recorded
+before that (no record) at the run's current config.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import date
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -182,3 +187,43 @@ def _with(base: Price, usd: float | None, source: str, as_of: str | None = None)
 def _region(zone: str | None) -> str | None:
     """`us-central1-a` -> `us-central1`."""
     return zone.rsplit("-", 1)[0] if zone else None
+
+
+# The slice fields a price depends on, recorded per attempt so that it can be re-priced.
+PRICED_SLICE_FIELDS = ("provider", "devices", "accelerator_type", "zone", "capacity")
+
+
+def price_or_unpriced(config: PipelineConfig) -> Price:
+    """`price_for(config)`, or its slice unpriced, saying why, when the price table cannot
+    be read (the validate stage checked it; one broken since must not lose a record)."""
+    try:
+        return price_for(config)
+    except PriceTableError as exc:
+        return replace(slice_price(config), source=f"not priced: {exc}")
+
+
+def attempt_pricing(config: PipelineConfig) -> dict[str, Any]:
+    """What an attempt records when it asks for its slice: the price it runs at (`price`)
+    and the slice fields that price came from (`slice`, to re-price it with another cost
+    section). Event fields, JSON-ready."""
+    sl = config.slice
+    return {
+        "price": asdict(price_or_unpriced(config)),
+        "slice": {name: getattr(sl, name) for name in PRICED_SLICE_FIELDS},
+    }
+
+
+def recorded_price(event: dict[str, Any]) -> Price:
+    """The price an attempt recorded (an event carrying `attempt_pricing`'s fields)."""
+    return Price(**event["price"])
+
+
+def reprice(config: PipelineConfig, event: dict[str, Any]) -> Price:
+    """The price of the attempt that recorded `event` under `config`'s cost section: its
+    own slice (chips, TPU type, zone, capacity), `config`'s prices.
+
+    Raises:
+        PriceTableError: `cost.price_table` is unreadable or invalid.
+    """
+    ran_on = config.slice.model_copy(update=event.get("slice", {}))
+    return price_for(config.model_copy(update={"slice": ran_on}))

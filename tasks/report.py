@@ -7,6 +7,7 @@ on a local or gs:// storage root, with no Prefect and no metrics sink.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -15,7 +16,7 @@ from etils import epath
 
 from tasks.goodput import BUCKETS, AttemptTimeline, read_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
-from tasks.pricing import Price, price_for
+from tasks.pricing import Price, price_for, recorded_price, reprice
 from workloads.config import CostConfig, PipelineConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.events import EVENTS
@@ -38,6 +39,7 @@ class RunReport:
     run_dir: str
     config: PipelineConfig | None  # None: the run never got as far as its config.json
     ledger: Ledger
+    price: Price  # the config's: what its slice costs now (an attempt may have run on another)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evaluation: dict[str, Any] | None = None
 
@@ -77,7 +79,8 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
     Args:
         root: the storage root (a directory or gs://bucket/prefix).
         run_id: the run's id (its name).
-        cost: price with this cost section instead of the run's own (to re-price a run).
+        cost: price with this cost section instead of the run's own (to re-price a run):
+            each attempt on the slice it ran on, at this section's prices.
 
     Raises:
         RunNotFound: no such run under `root`.
@@ -93,17 +96,24 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         config, unpriced = None, str(exc)
     if config is not None and cost is not None:
         config = config.model_copy(update={"cost": cost})
+    # Each attempt is priced as it recorded (its slice and price); `price` is for an
+    # attempt recorded by an older version, which recorded neither.
+    price_of = recorded_price
     if config is None:
         price = Price(0, "on-demand", None, None, None, f"not priced: {unpriced}")
         per_step = 0
     else:
         price, per_step = price_for(config), tokens_per_step(config)
-    ledger = compute_ledger(read_events(f"{run_dir}/{EVENTS}"), price, per_step)
+        if cost is not None:
+            price_of = functools.partial(reprice, config)
+
+    ledger = compute_ledger(read_events(f"{run_dir}/{EVENTS}"), price, per_step, price_of)
     return RunReport(
         run_id=run_id,
         run_dir=run_dir,
         config=config,
         ledger=ledger,
+        price=price,
         metrics=RunDir(run_dir).read_metrics(),
         evaluation=read_json(epath.Path(run_dir) / EVAL),
     )
@@ -118,7 +128,7 @@ def _run_config(run_dir: str) -> PipelineConfig | None:
 
 def format_report(report: RunReport) -> str:
     """The timeline as plain text: one line per attempt, then the run's totals."""
-    ledger, price = report.ledger, report.ledger.price
+    ledger = report.ledger
     good = ledger.goodput
     lines = [f"run {report.run_id}: {report.run_dir}", _slice_line(report), ""]
     if not ledger.attempts:
@@ -126,7 +136,8 @@ def format_report(report: RunReport) -> str:
     t0 = origin(ledger)
     started = datetime.fromtimestamp(t0, UTC).isoformat(timespec="seconds")
     lines.append(f"times in seconds from the first provisioning request, {started}")
-    header = ["attempt", "start", "end", "outcome", *ATTEMPT_BUCKETS, "billed", "chip-h", "cost"]
+    header = ["attempt", "start", "end", "outcome", *ATTEMPT_BUCKETS]
+    header += ["chips", "billed", "chip-h", "cost"]
     rows = [header]
     for a in ledger.attempts:
         line = a.timeline
@@ -141,12 +152,19 @@ def format_report(report: RunReport) -> str:
                 f"+{end - t0:.1f}",
                 line.outcome or "running?",
                 *(f"{seconds[b]:.1f}" for b in ATTEMPT_BUCKETS),
+                str(a.price.chips),
                 f"{a.billed_s:.1f}",
                 f"{a.chip_hours:.4f}",
                 _usd(a.cost_usd),
             ]
         )
     lines += _table(rows)
+    # A rerun may change the slice: an attempt that ran on another is billed as it ran.
+    lines += [
+        f"attempt {a.timeline.attempt} ran on {_ran_on(a.price)}"
+        for a in ledger.attempts
+        if a.price != report.price
+    ]
     badput = ", ".join(f"{b} {good.seconds[b]:.1f}s" for b in BUCKETS if b != "productive")
     ratio = "n/a" if good.goodput is None else f"{good.goodput:.1%}"
     # A rerun of the run name appends to the ledger; the wall leaves out the gaps between.
@@ -159,7 +177,7 @@ def format_report(report: RunReport) -> str:
         f"steps that count: {ledger.steps} x {ledger.tokens_per_step:,} tokens "
         f"= {ledger.tokens:,} training tokens",
         f"cost: {_usd(ledger.cost_usd)} for {ledger.chip_hours:.4f} chip-hours "
-        f"({price.chips} chips); per 1M training tokens: {_usd(ledger.cost_per_million_tokens)}",
+        f"({_chips(ledger)}); per 1M training tokens: {_usd(ledger.cost_per_million_tokens)}",
     ]
     loss = _loss_line(report)
     return "\n".join([*lines, *([loss] if loss else [])])
@@ -175,8 +193,21 @@ def _start(line: AttemptTimeline) -> float:
     return line.ended if line.requested is None else line.requested
 
 
+def _chips(ledger: Ledger) -> str:
+    """`8 chips`, or each attempt's chips when a rerun ran on another slice."""
+    counts = [a.price.chips for a in ledger.attempts] or [ledger.price.chips]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} chips"
+    return "chips per attempt: " + ", ".join(map(str, counts))
+
+
+def _ran_on(price: Price) -> str:
+    where = f" ({price.capacity})" + (f" in {price.region}" if price.accelerator else "")
+    return f"{price.chips} chips, {price.accelerator or 'local'}{where}: {price.describe()}"
+
+
 def _slice_line(report: RunReport) -> str:
-    price = report.ledger.price
+    price = report.price
     if report.config is None:
         return f"slice: unknown; {price.describe()}"
     sl = report.config.slice

@@ -26,6 +26,7 @@ from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
 from tasks.plan import RunPlan, slice_labels
+from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
     TrainOutcome,
@@ -96,7 +97,8 @@ def provision_slice(
         run_dir=plan.run_dir,
         chaos=config.slice.chaos.model_dump() if config.slice.provider == "local" else None,
     )
-    events.emit("provision_requested")
+    # The attempt's price and slice: a rerun on another slice must not re-price it.
+    events.emit("provision_requested", **attempt_pricing(config))
     try:
         status = provider.create(spec)
     except ProvisioningError as exc:

@@ -7,10 +7,20 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.pricing import attempt_pricing
 from workloads.config import PipelineConfig
 from workloads.config_file import load_config
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A price table of one TPU family and region.
+TABLE = """\
+source: https://example.test/prices
+read_on: 2026-01-02
+families:
+  v5litepod:
+    us-central1: {on_demand: 2.0, spot: 0.5}
+"""
 
 # Overrides that make configs/tiny.yaml a valid gcp config (a v5litepod-8 slice, gs://).
 GCP_OVERRIDES = (
@@ -161,3 +171,32 @@ def as_format_4(dataset_dir: str, out_dir: Path) -> str:
     manifest["record"] = {"dtype": "uint16", "length": length, "byte_order": "little"}
     (out_dir / "manifest.json").write_text(json.dumps(manifest))
     return str(out_dir)
+
+
+def priced(events: list[dict], config: PipelineConfig) -> list[dict]:
+    """`events` as the orchestrator records them under `config`: each provisioning request
+    carries the attempt's price and slice."""
+    fields = attempt_pricing(config)
+    return [{**e, **fields} if e["event"] == "provision_requested" else e for e in events]
+
+
+def eight_then_four(root: Path, table_file: Path) -> tuple[PipelineConfig, PipelineConfig]:
+    """A local run priced as v5litepod-8 at the table's $2, rerun on 4 devices priced as
+    v5litepod-4 at a flat $3."""
+    eight = tiny_config(
+        root,
+        "cost.priced_as=v5litepod-8",
+        "cost.region=us-central1",
+        f"cost.price_table={table_file}",
+    )
+    four = tiny_config(
+        root,
+        "slice.devices=4",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "cost.priced_as=v5litepod-4",
+        "cost.region=us-central1",
+        "cost.usd_per_chip_hour=3.0",
+    )
+    return eight, four

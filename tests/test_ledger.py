@@ -13,19 +13,18 @@ import pytest
 from flows.cli import main as cli_main
 from tasks.goodput import compute_goodput, read_events
 from tasks.ledger import billing_window, compute_ledger, tokens_per_step
-from tasks.pricing import Price, PriceTableError, load_price_table, price_for
-from tests.helpers import REPO, attempt_events, tiny_config
+from tasks.pricing import (
+    Price,
+    PriceTableError,
+    load_price_table,
+    price_for,
+    reprice,
+)
+from tests.helpers import REPO, TABLE, attempt_events, eight_then_four, priced, tiny_config
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError, load_config
 
 RECORDED = Path(__file__).parent / "data" / "events-three-attempts.jsonl"
-TABLE = """\
-source: https://example.test/prices
-read_on: 2026-01-02
-families:
-  v5litepod:
-    us-central1: {on_demand: 2.0, spot: 0.5}
-"""
 # Billing windows of the recorded run. On-demand: from the create request that produced
 # the slice to its deletion (attempt 2's failed create at 50-52 bills nothing).
 ON_DEMAND_S = (46 - 0) + (97 - 60) + (151 - 100)  # 134 s
@@ -212,3 +211,46 @@ def test_a_rerun_bills_each_invocation_s_attempts():
     assert [a.timeline.attempt for a in ledger.attempts] == [1, 2]
     assert [a.billed_s for a in ledger.attempts] == [16, 16]
     assert ledger.chip_hours == pytest.approx(8 * 32 / 3600) and ledger.steps == 20
+
+
+def test_each_attempt_is_billed_at_the_slice_and_price_it_ran_with(tmp_path, table_file):
+    eight, four = eight_then_four(tmp_path, table_file)
+    # Each attempt is billed 16 s (requested at t0, deleted at t0 + 16).
+    first = priced(attempt_events(1, 0, 0, 10, "preempted"), eight)
+    events = [*first, *priced(attempt_events(2, 100, 10, 20, "completed"), four)]
+    # The run's config.json is the rerun's now: it prices only what recorded no price.
+    ledger = compute_ledger(events, price_for(four), 512)
+    assert [a.price.chips for a in ledger.attempts] == [8, 4]
+    assert [a.chip_hours for a in ledger.attempts] == pytest.approx([8 * 16 / 3600, 4 * 16 / 3600])
+    assert [a.cost_usd for a in ledger.attempts] == pytest.approx(
+        [8 * 16 / 3600 * 2.0, 4 * 16 / 3600 * 3.0]
+    )
+    assert ledger.chip_hours == pytest.approx(12 * 16 / 3600)
+    assert ledger.cost_usd == pytest.approx((8 * 2.0 + 4 * 3.0) * 16 / 3600)
+    assert ledger.price == price_for(four)  # the last attempt's
+    # The rerun of the finished run makes no attempt: attempt 1 keeps its price.
+    alone = compute_ledger(first, price_for(four), 512)
+    assert (alone.price.chips, alone.chip_hours) == (8, pytest.approx(8 * 16 / 3600))
+    assert alone.cost_usd == pytest.approx(8 * 16 / 3600 * 2.0)
+    # Re-priced with another cost section: each attempt on the slice it ran on.
+    cost = four.cost.model_copy(update={"priced_as": None, "usd_per_chip_hour": 5.0})
+    flat = four.model_copy(update={"cost": cost})
+    again = compute_ledger(events, price_for(flat), 512, lambda e: reprice(flat, e))
+    assert [a.price.chips for a in again.attempts] == [8, 4]
+    assert again.cost_usd == pytest.approx(12 * 16 / 3600 * 5.0)
+
+
+def test_attempts_recorded_without_a_price_are_billed_at_the_config(tmp_path, table_file):
+    # A ledger of an older version: no attempt recorded its price.
+    eight, four = eight_then_four(tmp_path, table_file)
+    first = attempt_events(1, 0, 0, 10, "preempted")
+    old = [*first, *attempt_events(2, 100, 10, 20, "completed")]
+    ledger = compute_ledger(old, price_for(four), 512)
+    assert [a.price for a in ledger.attempts] == [price_for(four)] * 2
+    assert ledger.cost_usd == pytest.approx(4 * 32 / 3600 * 3.0)
+    # An unpriced attempt leaves the run unpriced, not a partial sum passed for its cost.
+    mixed = [*priced(first, eight), *old[len(first) :]]
+    unpriced = compute_ledger(mixed, price_for(tiny_config(tmp_path)), 512)
+    assert [a.price.chips for a in unpriced.attempts] == [8, 8]
+    assert unpriced.attempts[0].cost_usd == pytest.approx(8 * 16 / 3600 * 2.0)
+    assert unpriced.cost_usd is None and unpriced.chip_hours == pytest.approx(16 * 16 / 3600)

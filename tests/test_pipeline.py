@@ -116,6 +116,12 @@ def test_the_runs_ledger_and_its_report(tiny_run, capsys):
     assert run.tokens_trained == config.train.steps * per_step  # one attempt: all steps count
     assert run.chips == config.slice.devices and 0 < run.chip_hours < 1
     assert run.cost_usd is None and run.price_source.startswith("not priced")
+    # The attempt recorded its slice and price as it asked for the slice: a rerun on
+    # another slice does not re-price it.
+    events = read_events(Path(run.run_dir) / "events.jsonl")
+    (request,) = [e for e in events if e["event"] == "provision_requested"]
+    assert request["slice"]["devices"] == request["price"]["chips"] == config.slice.devices
+    assert request["price"]["usd_per_chip_hour"] is None
     assert cli_main(["report", run.run_id, "--root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "attempts 1, preempted 0" in out and "completed" in out

@@ -13,7 +13,8 @@ from flows.cli import main as cli_main
 from infra.metrics import DuckDBSink, RunRow
 from tasks.landing import ledger_fields, run_ledger, summary_markdown
 from tasks.plan import plan_run
-from tests.helpers import REPO, attempt_events, tiny_config
+from tasks.report import format_report, load_report
+from tests.helpers import REPO, TABLE, attempt_events, eight_then_four, priced, tiny_config
 from workloads.config import WorkloadConfig
 
 RECORDED = Path(__file__).parent / "data" / "events-three-attempts.jsonl"
@@ -52,8 +53,8 @@ def test_report_prints_the_timeline_and_writes_a_png(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     attempts = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"], ["3"])]
-    # attempt, start, end, outcome, six buckets, billed seconds, chip-hours, cost
-    first = "1 +0.0 +46.0 preempted 10.0 10.0 0.0 20.0 5.0 1.0 46.0 0.1022 $0.2044"
+    # attempt, start, end, outcome, six buckets, chips, billed seconds, chip-hours, cost
+    first = "1 +0.0 +46.0 preempted 10.0 10.0 0.0 20.0 5.0 1.0 8 46.0 0.1022 $0.2044"
     assert attempts[0] == first.split(" ")
     assert attempts[1][:4] == ["2", "+50.0", "+97.0", "preempted"]
     assert attempts[1][4] == "20.0" and attempts[1][-3:] == ["37.0", "0.0822", "$0.1644"]
@@ -197,3 +198,71 @@ def test_a_final_attempt_that_only_restored_lands_all_the_steps(tmp_path):
     fields = ledger_fields(run_ledger(tiny_config(tmp_path, "run_name=three"), str(run_dir)))
     assert fields["tokens_trained"] == TOKENS  # all 60 steps, as the runs row lands them
     assert fields["goodput"] == pytest.approx((64 - 5) / 76)
+
+
+def test_a_rerun_on_another_slice_does_not_reprice_earlier_attempts(tmp_path):
+    """Attempt 1 ran on 8 devices priced as v5litepod-8 ($2 in the table); the run name is
+    run again on 4 devices priced as v5litepod-4 at a flat $3, which rewrites config.json.
+    Attempt 1 keeps its chips, chip-hours and cost in the report and the runs row, whether
+    the rerun made an attempt of its own or not (its training had finished)."""
+    table = price_table(tmp_path)
+    eight, four = eight_then_four(tmp_path, table)
+    eight, four = (c.model_copy(update={"run_name": "three"}) for c in (eight, four))
+    run_dir = fake_run(tmp_path)
+    first = priced(attempt_events(1, 0, 0, 10, "preempted"), eight)
+    second = priced(attempt_events(2, 100, 10, 20, "completed"), four)
+    write_config(run_dir, four)  # as the rerun's plan does
+    sink = DuckDBSink(tmp_path / "m.duckdb")
+    one, two = 8 * 16 / 3600, 4 * 16 / 3600  # chip-hours: each attempt billed 16 s
+
+    _write_events(run_dir, first)  # the finished run's rerun made no attempt
+    out = format_report(load_report(str(tmp_path), "three"))
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert row[-4:] == ["8", "16.0", f"{one:.4f}", f"${one * 2.0:.4f}"]
+    assert "attempt 1 ran on 8 chips, v5litepod-8 (on-demand) in us-central1: $2.0000" in out
+    assert f"cost: ${one * 2.0:.4f} for {one:.4f} chip-hours (8 chips)" in out
+    land(sink, run_dir, four)
+    runs = "SELECT chips, chip_hours, usd_per_chip_hour, cost_usd FROM runs WHERE run_id = 'three'"
+    assert sink.query(runs) == [(8, pytest.approx(one), 2.0, pytest.approx(one * 2.0))]
+
+    _write_events(run_dir, [*first, *second])  # a rerun that trained on the 4 devices
+    out = format_report(load_report(str(tmp_path), "three"))
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [r[-4:] for r in rows] == [
+        ["8", "16.0", f"{one:.4f}", f"${one * 2.0:.4f}"],
+        ["4", "16.0", f"{two:.4f}", f"${two * 3.0:.4f}"],
+    ]
+    total = one * 2.0 + two * 3.0
+    assert f"cost: ${total:.4f} for {one + two:.4f} chip-hours (chips per attempt: 8, 4)" in out
+    # Landed again for the same run: still one row, now with both attempts.
+    land(sink, run_dir, four)
+    assert sink.query(runs) == [(4, pytest.approx(one + two), 3.0, pytest.approx(total))]
+
+
+def price_table(root: Path) -> Path:
+    path = root / "prices.yaml"
+    path.write_text(TABLE)
+    return path
+
+
+def write_config(run_dir: Path, config) -> None:
+    """Rewrite the run's config.json with `config`, as a rerun does."""
+    old = WorkloadConfig.model_validate_json((run_dir / "config.json").read_text())
+    new = old.model_copy(update={"pipeline": config})
+    (run_dir / "config.json").write_text(new.model_dump_json())
+
+
+def land(sink: DuckDBSink, run_dir: Path, config) -> None:
+    """Land the run's row as the landing stage would (its ledger under `config`)."""
+    row = RunRow(
+        run_id="three",
+        run_name="three",
+        status="completed",
+        config_hash="h",
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at="2026-11-22T00:00:00Z",
+        run_dir=str(run_dir),
+        **ledger_fields(run_ledger(config, str(run_dir))),
+    )
+    sink.land(row, [], [])
