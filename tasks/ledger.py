@@ -151,8 +151,10 @@ def compute_ledger(
             )
         )
     # Not priced if any attempt is not: a partial sum would pass for the run's cost.
-    costs = [a.cost_usd for a in attempts] or [None if price.usd_per_chip_hour is None else 0.0]
-    unpriced = any(c is None for c in costs)
+    if attempts:
+        priced = all(a.cost_usd is not None for a in attempts)
+    else:
+        priced = price.usd_per_chip_hour is not None
     return Ledger(
         price=attempts[-1].price if attempts else price,
         goodput=compute_goodput(events),
@@ -160,7 +162,7 @@ def compute_ledger(
         tokens_per_step=tokens_per_step,
         steps=sum(a.timeline.steps_kept for a in attempts),
         chip_hours=sum(a.chip_hours for a in attempts),
-        cost_usd=None if unpriced else sum(c or 0.0 for c in costs),
+        cost_usd=sum(a.cost_usd or 0.0 for a in attempts) if priced else None,
     )
 
 

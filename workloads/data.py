@@ -52,7 +52,7 @@ from workloads.manifest import (
     verify_shards,
     write_manifest,
 )
-from workloads.outdir import claimed
+from workloads.outdir import WORK_DIR, claimed
 from workloads.packing import (
     UnitJob,
     finished_unit,
@@ -82,7 +82,6 @@ __all__ = [
 ]
 
 Progress = Callable[[str, int, int], None]  # (stage "tokenize" | "write", done, total)
-WORK_DIR = ".work"
 # With workers=0 (auto), a smaller corpus is sharded in this process alone. In a fresh
 # process the first worker is up only after 0.1-0.3 s (a forkserver starts and imports
 # numpy first), and this process works meanwhile, so a second core pays from about here

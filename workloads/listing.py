@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 import stat
 import sysconfig
 
 from workloads.manifest import MANIFEST
 from workloads.outdir import is_dataset_dir
 from workloads.sources import DatasetError, SourceFile, SourceStore
-from workloads.uri_listing import expand_uri
-
-_GLOB = re.compile(r"[*?\[]")
+from workloads.uri_listing import WILDCARDS, expand_uri
 
 
 def resolve_sources(
@@ -113,7 +110,7 @@ def _entry_root(entry: str) -> str:
     """The local path a source entry reads below: itself, or a glob's static directory."""
     if entry == "stdlib":
         return sysconfig.get_paths()["stdlib"]
-    if os.path.lexists(entry) or not _GLOB.search(entry):
+    if os.path.lexists(entry) or not WILDCARDS.search(entry):
         return entry
     return _static_prefix(entry)
 
@@ -168,7 +165,7 @@ def _real(path: str, real_dirs: dict[str, str]) -> str:
 
 def _static_prefix(pattern: str) -> str:
     """The directory part of a glob before its first wildcard: the root keys are relative to."""
-    head = _GLOB.split(pattern, maxsplit=1)[0]
+    head = WILDCARDS.split(pattern, maxsplit=1)[0]
     return os.path.dirname(head) or "."
 
 
@@ -188,7 +185,7 @@ def _glob(pattern: str, skip: DirId) -> list[str]:
             if part == "**":
                 # The last `**` names whole directories, which the caller walks.
                 matches.extend([base] if last else _subdirs(base, skip))
-            elif not _GLOB.search(part):
+            elif not WILDCARDS.search(part):
                 path = os.path.join(base, part)
                 if os.path.isdir(path) if last and dirs_at_end else os.path.lexists(path):
                     matches.append(path)

@@ -23,6 +23,7 @@ from workloads.manifest import MANIFEST
 from workloads.sources import DatasetError
 
 LOCK = ".lock"
+WORK_DIR = ".work"  # a sharding run's units of work, until its manifest is written
 
 
 @contextmanager
@@ -105,7 +106,7 @@ def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:
     It is recognised by what only `shard_dataset` writes: a `manifest.json` holding a
     JSON object with `format_version` and `fingerprint` (another file of that name is
     corpus like any other), or, for a run killed before its manifest, a `.lock` file next
-    to a `.work` directory (`data.WORK_DIR`).
+    to a `.work` directory (`WORK_DIR`).
 
     Args:
         directory: The directory.
@@ -116,7 +117,7 @@ def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:
             names = set(os.listdir(directory))
         except OSError:
             return False
-    if LOCK in names and ".work" in names and os.path.isdir(os.path.join(directory, ".work")):
+    if LOCK in names and WORK_DIR in names and os.path.isdir(os.path.join(directory, WORK_DIR)):
         return True
     if MANIFEST not in names:
         return False

@@ -17,11 +17,10 @@ import re
 from collections.abc import Iterable, Iterator
 
 from workloads.manifest import MANIFEST
-from workloads.outdir import LOCK
+from workloads.outdir import LOCK, WORK_DIR
 from workloads.sources import DatasetError, SourceFile, SourceStore, StoredObject
 
-_GLOB = re.compile(r"[*?\[]")  # the wildcards of `listing._GLOB`
-_WORK = ".work"  # `data.WORK_DIR` (workloads.data imports this module's importer)
+WILDCARDS = re.compile(r"[*?\[]")  # what makes a source entry a glob, here and locally
 _SHARD_SUFFIX = ".arrayrecord"
 
 
@@ -60,7 +59,7 @@ def expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
             f"dataset source {entry!r} needs a storage backend for {scheme}:// "
             "(the pipeline and `tpupipe shard` provide one)"
         )
-    wild = _GLOB.search(entry)
+    wild = WILDCARDS.search(entry)
     prefix = entry[: wild.start()] if wild else entry
     # Keys are relative to the prefix taken as a directory (like a local directory entry),
     # or to a pattern's last "/" before its first wildcard (`listing._static_prefix`).
@@ -117,7 +116,7 @@ def _is_dataset(node: _Node) -> bool:
     directory), so a `manifest.json` counts only next to `.arrayrecord` shards, which
     only `shard_dataset` writes there; or a killed run's `.lock` next to `.work/`."""
     kids = node.children
-    lock, work, manifest = kids.get(LOCK), kids.get(_WORK), kids.get(MANIFEST)
+    lock, work, manifest = kids.get(LOCK), kids.get(WORK_DIR), kids.get(MANIFEST)
     if lock is not None and lock.file is not None and work is not None and work.children:
         return True
     return (
@@ -143,7 +142,7 @@ def _glob(pattern: str, top: _Node) -> list[Match]:
             if part == "**":
                 # The last `**` names whole directories, which the caller walks.
                 matches.extend([(path, node)] if last else _subdirs(path, node))
-            elif not _GLOB.search(part):
+            elif not WILDCARDS.search(part):
                 child = node.children.get(part)
                 if child is not None and (child.children or not (last and dirs_at_end)):
                     matches.append((_join(path, part), child))
