@@ -159,3 +159,65 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return "\nState:\tZ" not in status
+
+
+# Run as `python -m slow_main`, as Prefect deployments run flows (`python -m prefect.engine`):
+# multiprocessing runs the main module again in every worker, and this one imports a
+# module that takes 3 s to import.
+SLOW_MAIN = """
+import json, os, sys, time
+from pathlib import Path
+
+import slow_dependency  # noqa: F401  (3 s, like a heavy framework's import)
+from tests.test_shard_pool import whose
+from workloads.shard_pool import worker_pool
+
+
+def first_worker_job(marks):
+    marks.mkdir()
+    start = time.time()  # the clock of the marker files' mtimes
+    with worker_pool(2) as run:
+        results = list(run(whose, [(i, str(marks)) for i in range(4)]))
+    assert {pid for _, pid in results} != {os.getpid()}
+    started = [p.stat().st_mtime for p in marks.iterdir() if p.name != str(os.getpid())]
+    return min(started) - start
+
+
+if __name__ == "__main__":
+    first_worker_job(Path(sys.argv[1], "first"))  # the first pool starts the forkserver
+    print(json.dumps({"second_pool_s": first_worker_job(Path(sys.argv[1], "second"))}))
+"""
+
+
+def test_workers_of_a_run_started_as_python_m_start_without_importing_its_main_again(
+    tmp_path,
+):
+    # Before, each pool's worker imported slow_dependency again (3 s) before its first
+    # job; now the forkserver imports the main module once and workers start with it.
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "slow_dependency.py").write_text("import time\ntime.sleep(3)\n")
+    (tmp_path / "slow_main.py").write_text(SLOW_MAIN)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)])}
+    cmd = [sys.executable, "-m", "slow_main", str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1])["second_pool_s"] < 2.0
+
+
+def test_the_forkserver_preloads_the_module_run_with_python_m_only():
+    import types
+
+    from workloads.shard_pool import PRELOAD, forkserver_preload
+
+    def main(spec_name):
+        module = types.ModuleType("__main__")
+        module.__spec__ = types.SimpleNamespace(name=spec_name) if spec_name else None
+        return module
+
+    assert forkserver_preload(main("prefect.engine")) == [*PRELOAD, "prefect.engine"]
+    assert forkserver_preload(main("pytest.__main__")) == list(PRELOAD)  # workers skip it
+    assert forkserver_preload(main(None)) == list(PRELOAD)  # a script
