@@ -9,6 +9,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from pathlib import Path
 
+# Prefect's first import configures logging with dictConfig, which closes every handler
+# already installed. absl's (installed when grain is imported) closes its stream unless it
+# is the current sys.stderr: under pytest, the capture stream of the test that imported
+# grain, so a later test importing Prefect crashed pytest ("lost sys.stderr"). Imported
+# first, Prefect configures logging before any other handler exists.
+import prefect.main  # noqa: F401
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
