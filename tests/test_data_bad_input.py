@@ -103,6 +103,19 @@ def test_sources_of_only_empty_documents_have_no_text(tmp_path):
         data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
 
 
+def test_a_split_whose_documents_are_all_empty_is_refused_before_training(tmp_path):
+    # Every document the eval split draws is empty, the rest have text: the eval split's
+    # sequences were end-of-document ids only, and evaluation divided by its zero bytes
+    # once the whole run had trained.
+    rows = [
+        {"text": "" if packing.in_eval(f"docs.jsonl#{n}", 0.1) else "some text " * 5}
+        for n in range(400)
+    ]
+    path = write_jsonl(tmp_path / "docs.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"the eval split's \d+ document\(s\) are all empty"):
+        data.shard_dataset(cfg(path, format="jsonl", eval_fraction=0.1), tmp_path / "out")
+
+
 def test_an_out_directory_that_is_a_file_is_named(tmp_path):
     corpus = make_corpus(tmp_path)
     (tmp_path / "file").write_text("not a directory")

@@ -83,6 +83,16 @@ def plan_splits(
     for empty, other in (("eval", "train"), ("train", "eval")):
         if not splits[empty]["documents"]:
             move_last_document(splits[other], splits[empty])
+    for split in SPLITS:
+        s = splits[split]
+        if not s["bytes"]:
+            # Its sequences would be end-of-document ids only: training on them teaches
+            # nothing, and evaluation divided by zero bytes after the whole run had trained.
+            raise DatasetError(
+                f"the {split} split's {s['documents']} document(s) are all empty (no text): "
+                "remove the empty documents from the sources, or change eval_fraction so "
+                f"the split gets some text (eval_fraction={cfg.eval_fraction})"
+            )
     for split, shards in (("train", cfg.num_shards), ("eval", 1)):
         s = splits[split]
         records = max(0, (s["tokens"] - 1) // cfg.seq_len)
