@@ -67,6 +67,12 @@ def test_model_shape_checks_name_fields(tmp_path):
     assert "dataset.seq_len = 128 exceeds model.max_seq_len = 64" in msg
 
 
+def test_a_max_seq_len_positions_cannot_hold_is_refused(tmp_path):
+    path = write(tmp_path, "model:\n  max_seq_len: 3000000000\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: model.max_seq_len: .*less than 2147483648"):
+        load_config(path)
+
+
 def test_overrides_are_applied_and_blamed(tmp_path):
     path = write(tmp_path, "train: {steps: 10}\n")
     cfg = load_config(path, ["train.steps=20", "model.dtype=float32", "run_name=abc"])

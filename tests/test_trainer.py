@@ -60,6 +60,21 @@ def test_same_losses_on_different_meshes():
         np.testing.assert_allclose(losses_on(shape), reference, rtol=2e-5)
 
 
+def test_a_long_max_seq_len_gives_the_same_losses_on_short_sequences():
+    # The rotary table covers the sequence, not every position below max_seq_len: with
+    # 2**28 it was a 16 GiB table built each step, and 2**31 overflowed int32 positions.
+    mesh = make_mesh(MeshConfig(data=8))
+    out = {}
+    for max_len in (64, 2**28):
+        model = MODEL.model_copy(update={"max_seq_len": max_len})
+        state = create_train_state(model, TRAIN, 257, seed=0, mesh=mesh)
+        _, metrics = make_train_step(state.graphdef, mesh)(
+            state.arrays, place_batch(make_batch(), mesh)
+        )
+        out[max_len] = float(metrics["loss"])
+    assert out[2**28] == out[64]
+
+
 def test_attention_never_crosses_documents():
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     with jax.set_mesh(mesh):

@@ -186,7 +186,9 @@ class ModelConfig(_Strict):
     n_layers: Int = Field(2, ge=1, description="Transformer blocks.")
     n_heads: Int = Field(4, ge=1, description="Attention heads (d_model must divide by it).")
     d_ff: Int = Field(512, ge=8, description="Hidden width of the MLP.")
-    max_seq_len: Int = Field(1024, ge=8, description="Longest sequence the model accepts.")
+    max_seq_len: Int = Field(
+        1024, ge=8, lt=2**31, description="Longest sequence the model accepts (int32 positions)."
+    )
     dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="Compute dtype of activations and matmuls."
     )

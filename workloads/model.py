@@ -104,10 +104,15 @@ def rotary_angles(
     XLA:CPU fuses the sin and cos into each consumer and so evaluates them again per head,
     for queries and keys, in both passes: a third of the step's elementwise time for the
     `small` model. The values are the same either way (the same float32 products).
+
+    A position is an offset inside its document, which starts inside the sequence, so the
+    table stops at the sequence's length: sized by `max_len` alone, a model with a long
+    `max_seq_len` trained on short sequences built a table of every position each step.
     """
     half = head_dim // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(max_len, dtype=jnp.float32)[:, None] * freqs  # [max_len, half]
+    rows = min(max_len, positions.shape[1])
+    angles = jnp.arange(rows, dtype=jnp.float32)[:, None] * freqs  # [rows, half]
     return jnp.sin(angles)[positions][:, :, None, :], jnp.cos(angles)[positions][:, :, None, :]
 
 
