@@ -259,6 +259,23 @@ def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
     assert batch["inputs"].max() >= 69_000 and batch["inputs"].max() <= 70_000
 
 
+def test_a_vocabulary_with_gaps_in_its_ids_gets_an_eod_past_its_largest_id(tmp_path):
+    # 11 entries, ids 0-8, 10 and 11: EOD was 11, the id of "[UNK]", and sharding failed
+    # ("emitted id 11 outside its vocabulary") only on a corpus with an unknown word.
+    vocab = {**{c: i for i, c in enumerate("abcdefghi")}, "j": 10, "[UNK]": 11}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "gap.json"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(6):
+        (corpus / f"{d}.txt").write_text("a b c j zzz " * 20)  # zzz: [UNK], id 11
+    result = data.shard_dataset(cfg(corpus, tokenizer=str(tmp_path / "gap.json")), tmp_path / "o")
+    assert result.manifest["tokenizer"]["eod_token"] == 12
+    batch = next(input.train_iterator(result.dataset_dir, batch_size=2, seed=0))
+    assert {10, 11} <= set(batch["inputs"].ravel().tolist())  # "j" and "[UNK]" as they are
+
+
 def test_a_tokenizer_file_changed_during_sharding_is_refused(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -96,7 +96,10 @@ def load_tokenizer(path: str | os.PathLike | None) -> TokenizerSpec:
         return BYTES
     path = os.path.abspath(path)
     sha256, hf = _read(path)
-    eod = hf.get_vocab_size(with_added_tokens=True)
+    # One past the largest id, not the number of entries: a vocabulary with gaps in its
+    # ids (a token removed by hand) gave EOD the id of a real token.
+    ids = hf.get_vocab(with_added_tokens=True).values()
+    eod = max(hf.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
     vocab = eod + 1
     return TokenizerSpec(
         kind="huggingface",
