@@ -116,6 +116,13 @@ def test_a_split_whose_documents_are_all_empty_is_refused_before_training(tmp_pa
         data.shard_dataset(cfg(path, format="jsonl", eval_fraction=0.1), tmp_path / "out")
 
 
+def test_jsonl_with_old_mac_line_endings_says_why_it_is_one_line(tmp_path):
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b'{"text": "first"}\r{"text": "second"}\r')
+    with pytest.raises(DatasetError, match=r"cr\.jsonl:1: malformed JSON: .*holds '\\r' line"):
+        data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+
+
 def test_an_out_directory_that_is_a_file_is_named(tmp_path):
     corpus = make_corpus(tmp_path)
     (tmp_path / "file").write_text("not a directory")

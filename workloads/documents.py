@@ -214,9 +214,17 @@ def _jsonl(
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
+            # Lines end at LF only: a file of CR-ended records is one line of many objects.
+            hint = (
+                "; the line holds '\\r' line breaks: lines end at '\\n' only (convert it, "
+                "e.g. tr '\\r' '\\n')"
+                if "\r" in text.rstrip("\r")
+                else ""
+            )
             raise DatasetError(
                 # Some of json's messages end in "at" ("Unterminated string starting at").
                 f"{place}: malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"
+                f"{hint}"
             ) from None
         except ValueError as exc:  # an integer longer than int() converts (4300 digits)
             reason = str(exc).split(";")[0]  # not the advice to raise Python's limit
