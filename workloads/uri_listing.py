@@ -61,13 +61,17 @@ def expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
         )
     wild = WILDCARDS.search(entry)
     prefix = entry[: wild.start()] if wild else entry
-    # Keys are relative to the prefix taken as a directory (like a local directory entry),
-    # or to a pattern's last "/" before its first wildcard (`listing._static_prefix`).
-    root = prefix.rsplit("/", 1)[0] + "/" if wild else entry.rstrip("/") + "/"
     try:
         listing = list(store.list(prefix))
     except Exception as exc:  # any backend failure, named by the entry the user gave
         raise DatasetError(f"cannot list dataset source {entry!r}: {exc}") from exc
+    if wild and _named_literally(entry, listing):
+        # An object or prefix of exactly that name ("data [2023].jsonl") wins over the
+        # pattern, as an existing local path does (`listing._expand_local`).
+        wild, listing = None, [o for o in listing if o.uri.startswith(entry)]
+    # Keys are relative to the prefix taken as a directory (like a local directory entry),
+    # or to a pattern's last "/" before its first wildcard (`listing._static_prefix`).
+    root = prefix.rsplit("/", 1)[0] + "/" if wild else entry.rstrip("/") + "/"
     top = _tree(listing, root)
     if wild:
         pattern = entry[len(root) :]
@@ -91,6 +95,12 @@ def expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
 
 def _file(obj: StoredObject, key: str) -> SourceFile:
     return SourceFile(obj.uri, key, int(obj.size), int(obj.generation))
+
+
+def _named_literally(entry: str, listing: list) -> bool:
+    """Whether an object is called `entry`, or lies below it taken as a directory."""
+    below = entry.rstrip("/") + "/"
+    return any(o.uri == entry or o.uri.startswith(below) for o in listing)
 
 
 def _tree(listing: Iterable[StoredObject], root: str) -> _Node:

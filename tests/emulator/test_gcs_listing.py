@@ -102,3 +102,20 @@ def test_a_gcs_prefix_skips_dataset_directories_as_a_local_walk_does(tmp_path, g
     ):
         with pytest.raises(DatasetError, match="is a tpupipe dataset directory"):
             keys(entry, store_)
+
+
+def test_a_name_with_glob_characters_is_taken_literally_when_it_exists(
+    tmp_path, gcs_client, bucket
+):
+    files = {"a[1].jsonl": b'{"text": "x"}\n', "b.jsonl": b"{}\n", "d[2]/c.jsonl": b"{}\n"}
+    local = put_tree(tmp_path, gcs_client, bucket, files)
+    roots = {
+        "local": (f"{local}/", None),
+        "file://": (f"file://{local}/", source_storage([f"file://{local}/"])),
+        "gs://": (f"gs://{bucket}/t/", source_storage([f"gs://{bucket}/t/"])),
+    }
+    for where, (root, store) in roots.items():
+        # The object of that name, not the pattern (which matches "a1.jsonl" only).
+        assert keys(root + "a[1].jsonl", store) == ["a[1].jsonl"], where
+        assert keys(root + "d[2]", store) == ["c.jsonl"], where  # a directory of that name
+        assert keys(root + "[ab]*.jsonl", store) == ["a[1].jsonl", "b.jsonl"], where
