@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.helpers import cut_checkpoint_data
-from workloads import checkpoint
+from workloads import checkpoint, ckpt_integrity
 from workloads.config import MeshConfig, ModelConfig, TrainConfig
 from workloads.step_metrics import NonFiniteError
 from workloads.trainer import (
@@ -42,7 +44,9 @@ def test_round_trip_restores_arrays_on_their_shardings(tmp_path, state):
     mngr = checkpoint.make_manager(str(tmp_path))
     arrays, data_iter, meta = checkpoint.restore(mngr, 3, fresh.arrays)
     mngr.close()
-    assert data_iter == {"next_index": 24} and meta == {"step": 3, "config_hash": "h1"}
+    assert data_iter == {"next_index": 24} and meta["step"] == 3 and meta["config_hash"] == "h1"
+    # The checksums saved from the (2, 2, 2) mesh hold for the arrays read onto (8, 1, 1).
+    assert checkpoint.state_problem(checkpoint._pure(arrays), meta, "h1") is None
     for a, b in zip(jax.tree.leaves(state.arrays), jax.tree.leaves(arrays), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Restored onto the new mesh's layout, not the one it was saved from.
@@ -72,7 +76,8 @@ def test_verify_refuses_wrong_step_config_or_missing(tmp_path, state):
 def test_a_non_finite_state_is_never_saved(tmp_path, state):
     kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
     kernel[...] = kernel[...].at[0, 0].set(jnp.inf)
-    with pytest.raises(NonFiniteError, match=r"step 4: after the update, array .*'up'.*Inf"):
+    expected = r"step 4: after the update, array model/blocks/0/up/kernel has NaN or Inf"
+    with pytest.raises(NonFiniteError, match=expected):
         save(tmp_path, 4, state.arrays)
     assert checkpoint.latest_step(str(tmp_path)) is None
     assert not list((tmp_path / "checkpoints").glob("4*"))
@@ -83,14 +88,14 @@ def test_saves_reuse_the_check_compiled_after_the_first_step(tmp_path, state):
     step = make_train_step(state.graphdef, mesh)
     batch = {key: np.ones((8, 64), np.int32) for key in BATCH_KEYS}
     arrays, _ = step(state.arrays, place_batch(batch, mesh))
-    checkpoint._finite_each.clear_cache()  # earlier tests may have compiled it
+    ckpt_integrity._scan_each.clear_cache()  # earlier tests may have compiled it
     checkpoint.prepare_saves(arrays)
-    compiled = checkpoint._finite_each._cache_size()
+    compiled = ckpt_integrity._scan_each._cache_size()
     save(tmp_path, 1, arrays)
     arrays, _ = step(arrays, place_batch(batch, mesh))
     save(tmp_path, 2, arrays)
     assert compiled == 1
-    assert checkpoint._finite_each._cache_size() == compiled
+    assert ckpt_integrity._scan_each._cache_size() == compiled
 
 
 @pytest.fixture()
@@ -103,7 +108,7 @@ def test_verify_refuses_non_finite_parameters(tmp_path, state, bad_saves_allowed
     kernel = state.arrays["model"]["blocks"][0]["up"]["kernel"]
     kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
     save(tmp_path, 10, state.arrays)
-    with pytest.raises(checkpoint.CheckpointError, match=r"'up'.*NaN or Inf.*quarantine"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"up/kernel has NaN or Inf.*quarantine"):
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
 
 
@@ -188,3 +193,72 @@ def test_keeping_one_checkpoint_never_leaves_none_during_a_save(tmp_path, state)
     mngr.wait_until_finished()
     mngr.close()
     assert _on_disk(tmp_path) == [2]
+
+
+@pytest.fixture()
+def wide():
+    """A state whose MLP kernel's chunks (64 x 256 floats) are stored as raw bytes in the
+    data files: the tiny model's 1 KiB chunks are inlined in compressed OCDBT nodes."""
+    model = ModelConfig(d_model=128, n_layers=1, n_heads=2, d_ff=512, max_seq_len=64)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    return create_train_state(model, TRAIN, 257, seed=0, mesh=mesh)
+
+
+def _patterned(arrays) -> bytes:
+    """Give the first MLP kernel distinct values; returns its first 16 bytes as stored."""
+    kernel = arrays["model"]["blocks"][0]["up"]["kernel"]
+    kernel[...] = jnp.arange(kernel[...].size, dtype=jnp.float32).reshape(kernel[...].shape)
+    kernel[...] = kernel[...] * 1e-3 + 0.5
+    return np.asarray(kernel[...])[0, :4].astype("<f4").tobytes()
+
+
+def flip_low_bit(state_dir, needle: bytes) -> None:
+    """Flip the lowest mantissa bit of the first value stored as `needle`'s first 4 bytes,
+    as bit rot would: the files still parse and the value stays finite."""
+    for path in state_dir.glob("ocdbt.process_*/d/*"):
+        data = bytearray(path.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at] ^= 1
+            path.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"the array's bytes are not in {state_dir}")
+
+
+def test_a_checkpoint_whose_bytes_changed_after_the_save_is_never_resumed(tmp_path, wide):
+    save(tmp_path, 5, wide.arrays)
+    needle = _patterned(wide.arrays)
+    save(tmp_path, 10, wide.arrays)
+    flip_low_bit(tmp_path / "checkpoints" / "10" / "state", needle)
+
+    step, _, data_state = _restore_newest(tmp_path, wide.arrays)
+    assert step == 5 and data_state == {"next_index": 40}
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    reason = (moved / "QUARANTINED.txt").read_text()
+    assert "array model/blocks/0/up/kernel does not match the checksum saved with it" in reason
+
+
+def test_verify_refuses_a_final_checkpoint_whose_bytes_changed(tmp_path, wide):
+    needle = _patterned(wide.arrays)
+    save(tmp_path, 10, wide.arrays)
+    flip_low_bit(tmp_path / "checkpoints" / "10" / "state", needle)
+    with pytest.raises(checkpoint.CheckpointError, match=r"up/kernel does not match the checksum"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+
+
+def test_checksums_see_any_changed_word_and_old_steps_without_them_verify(tmp_path, state):
+    x = jnp.arange(1000, dtype=jnp.float32)
+    ((_, _, base),) = ckpt_integrity.scan({"x": x})
+    for i in (0, 1, 500, 999):  # one word changed, anywhere, by one bit
+        ((_, _, changed),) = ckpt_integrity.scan({"x": x.at[i].set(x[i] + 1e-4)})
+        assert changed != base
+    swapped = x.at[0].set(x[1]).at[1].set(x[0])  # same words, other places
+    assert ckpt_integrity.scan({"x": swapped})[0][2] != base
+    for dtype in (jnp.bfloat16, jnp.int8, jnp.bool_):  # narrow items are widened
+        assert ckpt_integrity.scan({"x": jnp.ones(8, dtype)})[0][1] is True
+    # A step saved before checksums existed: meta without them.
+    save(tmp_path, 10, state.arrays)
+    meta_file = tmp_path / "checkpoints" / "10" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "checksums"}))
+    assert checkpoint.verify_checkpoint(str(tmp_path), 10, "h1").step == 10

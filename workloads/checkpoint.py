@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from workloads import ckpt_integrity as integrity
 from workloads.ckpt_manager import OldestFirstManager, TrainingManager
 from workloads.step_metrics import NonFiniteError
 
@@ -86,33 +86,38 @@ def save(
 ) -> None:
     """Start saving `step` (asynchronously); the caller waits before exiting.
 
+    The step's `meta` holds each array's checksum (`workloads.ckpt_integrity`), computed
+    in the same pass as the finite check, so a restore can tell altered files.
+
     Raises:
         NonFiniteError: the state holds NaN/Inf (an update can overflow even when the loss
             and gradients it came from were finite); nothing is written.
     """
     pure = _pure(arrays)
-    _refuse_non_finite(step, pure)
+    scanned = integrity.scan(pure)
+    _refuse_non_finite(step, scanned)
+    meta = {"step": step, "config_hash": config_hash, "checksums": integrity.checksums(scanned)}
     args = ocp.args.Composite(
         state=ocp.args.PyTreeSave(pure),
         data_iter=ocp.args.JsonSave(data_iter),
-        meta=ocp.args.JsonSave({"step": step, "config_hash": config_hash}),
+        meta=ocp.args.JsonSave(meta),
     )
     mngr.save(step, args=args, force=True)
 
 
 def prepare_saves(arrays: dict) -> None:
-    """Compile the finite check every save runs, for the layouts of `arrays`.
+    """Compile the finite check and checksums every save runs, for the layouts of `arrays`.
 
     Call it with the first train step's output (jit may lay out replicated arrays
     differently from the initial state, and the check compiles per layout). Otherwise
     the first save pays the compile (0.1-0.3 s here) in the middle of training, where it
     competes with the train step for the host's cores.
     """
-    non_finite_array(_pure(arrays))
+    integrity.scan(_pure(arrays))
 
 
-def _refuse_non_finite(step: int, state: dict) -> None:
-    problem = non_finite_array(state)
+def _refuse_non_finite(step: int, scanned: list) -> None:
+    problem = integrity.first_non_finite(scanned)
     if problem:
         raise NonFiniteError(
             f"step {step}: after the update, {problem}; stopping without saving this state "
@@ -152,31 +157,11 @@ def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict,
 
 
 def state_problem(state: Any, meta: dict, config_hash: str) -> str | None:
-    """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf), or None."""
+    """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf, arrays that
+    differ from their saved checksums), or None. `state`: the restored pure dict."""
     if meta.get("config_hash") != config_hash:
         return f"written by config {meta.get('config_hash')}, this run's config is {config_hash}"
-    return non_finite_array(state)
-
-
-@jax.jit
-def _finite_each(leaves: list) -> jax.Array:
-    # One jitted reduction over every array: a replicated vector of booleans. Module-level
-    # so a check at every save reuses one compiled program.
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
-
-
-def non_finite_array(state: Any) -> str | None:
-    """'array <path> has NaN or Inf values' for the first such floating array, or None."""
-    flat = [
-        (path, leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
-    ]
-    finite = np.asarray(_finite_each([leaf for _, leaf in flat]))
-    for (path, _), ok in zip(flat, finite, strict=True):
-        if not ok:
-            return f"array {jax.tree_util.keystr(path)} has NaN or Inf values"
-    return None
+    return integrity.integrity_problem(state, meta.get("checksums"))
 
 
 def quarantine(run_dir: str, step: int, reason: str) -> epath.Path:
@@ -235,7 +220,7 @@ def restore_newest_valid(
             log.warning("checkpoint step %d %s", step, problem)
         problem = _agreed_problem(problem)
         if problem is None:  # every host holds its shards: collective checks are safe
-            problem = state_problem(restored, meta, config_hash)
+            problem = state_problem(_pure(restored), meta, config_hash)
         if problem is None:
             return step, restored, data_state
         if jax.process_index() == 0:
