@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -25,14 +26,45 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _exit_on_sigterm() -> None:
-    """Make SIGTERM (docker stop, systemd, Kubernetes, CI time-outs) end the process as
-    Ctrl-C does, by unwinding: `finally` blocks and exit hooks run, so the temporary
-    Prefect server is stopped and a sharding pool shut down. Its default action ended the
-    process at once and left the server running with no parent. Prefect's own handler,
-    which marks a flow run crashed and tears the slice down, runs first during a flow and
-    then re-sends the signal to this one. Exit status stays 143 (128 + SIGTERM)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def _exit_on_signals() -> None:
+    """Make SIGTERM (docker stop, systemd, Kubernetes, CI time-outs) and SIGHUP (the
+    terminal or SSH session closed) end the process as Ctrl-C does, by unwinding:
+    `finally` blocks and exit hooks run, so the slice is deleted, the temporary Prefect
+    server stopped and a sharding pool shut down. Their default action ended the process
+    at once: the server ran on with no parent and, for SIGHUP, the workload trained on
+    until a reaper found it. Exit status 128 + the signal: 143, 129.
+
+    A SIGHUP that `nohup` (or a parent) set ignored stays ignored: that run was meant to
+    outlive its terminal.
+    """
+    signal.signal(signal.SIGTERM, _exit_with_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        terminals = [fd for fd in (1, 2) if os.isatty(fd)]
+        signal.signal(signal.SIGHUP, functools.partial(_hang_up, terminals))
+
+
+def _exit_with_signal(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+def _hang_up(terminals: list[int], signum: int, frame: object) -> None:
+    """SIGHUP goes to whoever handles SIGTERM now. During a flow that is Prefect's bridge:
+    it raises `TerminationSignal` (the flow run crashes, teardown runs, the `runs` row
+    names SIGHUP), then re-sends the signal to the handler it replaced, ours, which
+    exits. Prefect installs a bridge for SIGTERM only.
+
+    Output that went to a terminal now hung up goes to /dev/null first: every write to it
+    fails (EIO), and the OSError of one made on the way out (the progress bar's last
+    refresh) replaced the exit: `tpupipe shard` exited 1.
+    """
+    gone = [fd for fd in terminals if not os.isatty(fd)]  # hung up: no longer a terminal
+    if gone:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in gone:
+            os.dup2(null, fd)
+        os.close(null)
+    handler = signal.getsignal(signal.SIGTERM)
+    (handler if callable(handler) else _exit_with_signal)(signum, frame)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
     args = _parser().parse_args(argv)
-    _exit_on_sigterm()
+    _exit_on_signals()
     if args.command == "shard":
         return shard_cli.run(args)
     if args.command == "report":
