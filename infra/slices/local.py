@@ -29,6 +29,7 @@ from infra.slices.base import (
     validate_name,
 )
 from infra.slices.chaos import ChaosMonkey
+from infra.slices.held_signals import signals_held
 from infra.slices.procs import (
     HostGroup,
     Owned,
@@ -86,52 +87,64 @@ class LocalSliceProvider:
                 run_key = spec.labels.get("run-id", spec.name)
                 monkey = ChaosMonkey(self.registry_dir, run_key, spec.chaos)
                 monkey.before_create(spec.name)
-            proc = self._start_hosts(spec)
-            record = {
-                "name": spec.name,
-                "pid": proc.pid,
-                "pids": [p.pid for p in proc.procs],
-                "pgid": proc.pid,  # host 0 leads the group: pgid == its pid
-                "start_ticks": start_ticks(proc.pid),
-                "labels": spec.labels,
-                "devices": spec.devices,
-                "hosts": spec.hosts,
-                "command": spec.command,
-                "created_at": datetime.now(UTC).isoformat(),
-                # The reaper deletes a slice whose creating process is gone (a SIGKILLed
-                # orchestrator) when no flow run state says otherwise.
-                "owner_pid": os.getpid(),
-                "owner_start_ticks": start_ticks(os.getpid()),
-                "log_path": str(log_path),
-            }
-            try:
-                self._write_record(record)
-            except BaseException:
-                # An unrecorded process is one nobody could find to delete: never leave one.
-                signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
-            with self._lock:
-                self._owned[spec.name] = Owned(proc, record)
+            started: list[subprocess.Popen] = []
+            # An unrecorded process is one nobody could find to delete: never leave one.
+            # From the first fork to the record, the stop signals wait (see held_signals:
+            # a pid can be lost between bytecodes), and any other error kills and reaps
+            # every process started so far before it goes on.
+            with signals_held():
+                try:
+                    proc = self._start_hosts(spec, started)
+                    record = self._record(spec, proc, log_path)
+                    self._write_record(record)
+                except BaseException:
+                    _kill_started(started)
+                    raise
+                with self._lock:
+                    self._owned[spec.name] = Owned(proc, record)
             if monkey is not None:
                 monkey.attach(proc.pid, spec.run_dir)
         return SliceStatus(spec.name, SliceState.READY, None, dict(spec.labels))
 
     @staticmethod
-    def _start_hosts(spec: SliceSpec) -> HostGroup:
-        """One process per host, all in one new process group so a delete kills them all."""
+    def _record(spec: SliceSpec, proc: HostGroup, log_path: Path) -> dict[str, Any]:
+        """The registry record of slice `spec` whose hosts `proc` just started."""
+        return {
+            "name": spec.name,
+            "pid": proc.pid,
+            "pids": [p.pid for p in proc.procs],
+            "pgid": proc.pid,  # host 0 leads the group: pgid == its pid
+            "start_ticks": start_ticks(proc.pid),
+            "labels": spec.labels,
+            "devices": spec.devices,
+            "hosts": spec.hosts,
+            "command": spec.command,
+            "created_at": datetime.now(UTC).isoformat(),
+            # The reaper deletes a slice whose creating process is gone (a SIGKILLed
+            # orchestrator) when no flow run state says otherwise.
+            "owner_pid": os.getpid(),
+            "owner_start_ticks": start_ticks(os.getpid()),
+            "log_path": str(log_path),
+        }
+
+    @staticmethod
+    def _start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
+        """One process per host, all in one new process group so a delete kills them all.
+
+        Each process is appended to `started` as soon as it runs, for the caller to kill
+        if the slice cannot be recorded.
+        """
         coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
-        procs: list[subprocess.Popen] = []
         try:
             for host in range(spec.hosts):
                 # Append: a re-provisioned attempt keeps the log of the one before it.
                 with open(host_log_path(spec.log_path, host), "ab") as log:
-                    procs.append(
+                    started.append(
                         subprocess.Popen(
                             spec.command,
                             # Host 0 leads a new process group and the others join it
                             # (a group in another session could not be joined).
-                            process_group=procs[0].pid if procs else 0,
+                            process_group=started[0].pid if started else 0,
                             stdin=subprocess.DEVNULL,
                             stdout=log,
                             stderr=subprocess.STDOUT,
@@ -139,14 +152,10 @@ class LocalSliceProvider:
                         )
                     )
         except OSError as e:
-            if procs:
-                signal_group(procs[0].pid, signal.SIGKILL)
-                for p in procs:
-                    p.wait()
             raise ProvisioningError(
                 f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
             ) from e
-        return HostGroup(procs)
+        return HostGroup(list(started))
 
     def status(self, name: str) -> SliceStatus:
         """READY while the group runs, TERMINATED after (exit code if we own it), else NOT_FOUND."""
@@ -280,3 +289,12 @@ class LocalSliceProvider:
             return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)
         alive = is_our_group(record) and group_alive(record["pgid"])
         return (SliceState.READY, None) if alive else (SliceState.TERMINATED, None)
+
+
+def _kill_started(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the hosts of a slice that could not be recorded, and reap them."""
+    if procs:
+        signal_group(procs[0].pid, signal.SIGKILL)  # with anything they started
+    for p in procs:
+        p.kill()  # each by pid too: a host not yet in the group, or a group never made
+        p.wait()
