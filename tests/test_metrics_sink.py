@@ -148,6 +148,35 @@ def test_failure_mid_landing_keeps_previous_rows(sink, monkeypatch):
     assert counts(sink) == (1, 5, 1)
 
 
+def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
+    # An interrupted rerun of a finished run landed its failed row through the same
+    # DELETE + INSERT as a completed one: the run's eval rows went, and its eval loss.
+    sink.land(run_row(eval_loss=2.5, params_sha256="abc", final_step=4), steps(), evals())
+    sink.land(run_row("run-2"), steps("run-2", 3), evals("run-2"))
+    failed = run_row(status="failed", error="TerminationSignal: SIGTERM", final_step=4)
+    for _ in range(2):  # idempotent: no row twice
+        assert sink.land(failed, steps(n=3, offset=0.5), []) == LandResult(1, 3, 0)
+        assert counts(sink) == (2, 8, 2)
+    row = sink.read_run("run-1")
+    assert (row.status, row.error) == ("failed", "TerminationSignal: SIGTERM")
+    assert (row.eval_loss, row.params_sha256, row.final_step) == (2.5, "abc", 4)
+    # Rows it has are updated, rows it lacks are kept.
+    assert sink.query("SELECT step, loss FROM step_metrics WHERE run_id = 'run-1'") == [
+        (0, 10.5),
+        (1, 9.5),
+        (2, 8.5),
+        (3, 7.0),
+        (4, 6.0),
+    ]
+    assert sink.query("SELECT step, loss FROM eval_metrics WHERE run_id = 'run-1'") == [(4, 2.5)]
+    # A value it has replaces the stored one; the next completed landing is exact again.
+    sink.land(run_row(status="failed", error="e", eval_loss=2.0), [], [])
+    assert sink.read_run("run-1").eval_loss == 2.0
+    sink.land(run_row(), steps(n=2), [])
+    assert counts(sink) == (2, 5, 1)
+    assert sink.read_run("run-1").eval_loss is None
+
+
 COST_COLUMNS = ("goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens")
 
 

@@ -39,7 +39,9 @@ class MetricsSink(Protocol):
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
     ) -> LandResult:
-        """Replace the run's rows with these, atomically and idempotently."""
+        """Land the run's rows atomically and idempotently: a completed run's replace its
+        stored rows; a failed run's are added or updated and keep the stored rows and
+        results they have no value for (the landing rule in `infra.metrics.rows`)."""
         ...
 
     def land_sweep(self, rows: Sequence[SweepRow]) -> int:

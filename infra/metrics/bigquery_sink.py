@@ -13,8 +13,11 @@ Exactly-once landing, whatever is retried:
 3. The staging tables are dropped (they also expire after a day, should a crash leave them).
 
 Running the landing twice, or again after a failure at any point, leaves the tables
-holding exactly the source's rows, once. A sweep's trials (`sweeps`) land the same way,
-scoped by `sweep_id` instead of `run_id`.
+holding exactly the source's rows, once. A failed run's landing MERGEs without the delete,
+and its `runs` row keeps the stored results it has no value for (the landing rule in
+`infra.metrics.rows`): an interrupted rerun of a finished run keeps its evaluation. A
+sweep's trials (`sweeps`) land the same way as a completed run's, scoped by `sweep_id`
+instead of `run_id`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from infra.metrics.rows import (
     SweepRow,
     TableRow,
     one_sweep_id,
+    replaces_landed,
     table_schema,
 )
 
@@ -157,7 +161,9 @@ class BigQuerySink:
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
     ) -> LandResult:
-        """Make the stored rows of `run.run_id` exactly these rows, once each.
+        """Land the rows of `run.run_id`, once each: a completed run's become exactly
+        these; a failed run's are added or updated, and the stored rows and results it has
+        no value for are kept.
 
         A step given twice (re-run after a resume) keeps its last row; likewise an eval's
         (step, split). See the module docstring for why a re-run cannot duplicate rows.
@@ -174,13 +180,14 @@ class BigQuerySink:
         if not self._ready:
             self.ensure_tables()
         by_table = {RunRow.table: [run], **_dedupe([*steps, *evals])}
+        replace = replaces_landed(run)
         statements = []
         for model in self.models:
             rows = by_table.get(model.table, [])
             if rows:
                 self._stage(model, run.run_id, rows)
-                statements.append(self._merge_sql(model, run.run_id))
-            else:
+                statements.append(self._merge_sql(model, run.run_id, replace=replace))
+            elif replace:
                 statements.append(
                     f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
                 )
@@ -310,19 +317,37 @@ class BigQuerySink:
         table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
         self.client.update_table(table, ["expires"], retry=RETRY, timeout=CALL_TIMEOUT_S)
 
-    def _merge_sql(self, model: type[TableRow], scope: str, scope_column: str = "run_id") -> str:
+    def _merge_sql(
+        self,
+        model: type[TableRow],
+        scope: str,
+        scope_column: str = "run_id",
+        replace: bool = True,
+    ) -> str:
         # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
+        # replace=False (a failed run's landing) deletes nothing, and a result column the
+        # new row has no value for keeps its stored one.
         columns = [c.name for c in table_schema(model)]
         key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
-        updates = ", ".join(f"{c} = S.{c}" for c in columns if c not in model.primary_key)
+        kept = () if replace else model.result_fields
+        updates = ", ".join(
+            f"{c} = COALESCE(S.{c}, T.{c})" if c in kept else f"{c} = S.{c}"
+            for c in columns
+            if c not in model.primary_key
+        )
         names = ", ".join(columns)
         values = ", ".join(f"S.{c}" for c in columns)
+        delete = (
+            f"\nWHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {_literal(scope)} THEN DELETE"
+            if replace
+            else ""
+        )
         return (
             f"MERGE `{self._table(model)}` T\n"
             f"USING `{self._staging(model, scope)}` S\nON {key}\n"
             f"WHEN MATCHED THEN UPDATE SET {updates}\n"
-            f"WHEN NOT MATCHED BY TARGET THEN INSERT ({names}) VALUES ({values})\n"
-            f"WHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {_literal(scope)} THEN DELETE"
+            f"WHEN NOT MATCHED BY TARGET THEN INSERT ({names}) VALUES ({values})"
+            f"{delete}"
         )
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:

@@ -7,6 +7,15 @@ and a BigQuery sink later create the same tables from the same code.
 NaN/Inf policy: a non-finite float metric is stored as NULL, never as NaN, and the row's
 `nonfinite` flag says that this happened (a diverged step stays visible as a fact rather
 than a poisoned average). RunRow has no flag: its summary fields simply become NULL.
+
+Landing rule, the same in every sink: a completed run's landing makes the stored rows of
+the run exactly its rows (a step rolled back and never re-run goes). A failed run's
+landing (`replaces_landed` is False: an error, Ctrl-C, SIGTERM) records how this
+invocation ended, and only adds and updates: step and eval rows it does not have stay,
+and the `runs` row keeps the stored results (`RunRow.result_fields`) it has no value for.
+A rerun of a finished run that is stopped before it evaluates again thus leaves the run's
+evaluation and summary numbers as they were, with its row failed and the signal as its
+error, as its exit code says; running it again lands it completed.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ class TableRow(BaseModel):
     partition_field: ClassVar[str]  # the day-partition column in BigQuery
     cluster_fields: ClassVar[tuple[str, ...]] = ("run_id",)  # BigQuery clustering
     metric_fields: ClassVar[tuple[str, ...]] = ()
+    # Columns a failed run's landing never sets to NULL (see the module docstring).
+    result_fields: ClassVar[tuple[str, ...]] = ()
 
     @field_validator("*", mode="before")
     @classmethod
@@ -98,6 +109,18 @@ class RunRow(TableRow):
         "train_loss_last",
         "eval_loss",
         "eval_bits_per_byte",
+    )
+    # A run's results: a failed landing without them (an interrupted rerun, stopped before
+    # it evaluated again) keeps those an earlier invocation landed. A run name always
+    # trains the same steps with the same config, so they stay the run's.
+    result_fields: ClassVar[tuple[str, ...]] = (
+        "final_step",
+        "train_loss_first",
+        "train_loss_last",
+        "eval_loss",
+        "eval_bits_per_byte",
+        "params_sha256",
+        "num_params",
     )
 
     run_id: str
@@ -227,6 +250,13 @@ class SweepRow(_FlaggedRow):
     nonfinite: bool = False
     started_at: datetime
     finished_at: datetime | None = None
+
+
+def replaces_landed(run: RunRow) -> bool:
+    """Whether landing `run` replaces every stored row of the run (a completed run), or
+    only adds and updates rows, keeping the stored results it has no value for (a failed
+    one: see the module docstring)."""
+    return run.status == "completed"
 
 
 def one_sweep_id(rows: typing.Sequence[SweepRow]) -> str:

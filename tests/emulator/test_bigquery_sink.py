@@ -116,8 +116,8 @@ def test_a_landing_that_failed_midway_changes_nothing_and_a_rerun_completes_it(s
     sink.land(run, steps[:2], [])  # an earlier, partial landing
     real_merge = sink._merge_sql
 
-    def merge_breaking_on_evals(model, run_id):
-        sql = real_merge(model, run_id)
+    def merge_breaking_on_evals(model, run_id, **kwargs):
+        sql = real_merge(model, run_id, **kwargs)
         # The third MERGE of the transaction fails after the first two have run.
         return sql.replace("_staging_eval_metrics", "_gone") if model is EvalMetricRow else sql
 
@@ -133,6 +133,31 @@ def test_a_landing_that_failed_midway_changes_nothing_and_a_rerun_completes_it(s
     assert count(sink, "step_metrics", "r1") == 5
     assert count(sink, "eval_metrics", "r1") == 1
     assert count(sink, "runs", "r1") == 1
+
+
+def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
+    # An interrupted rerun of a finished run MERGEd its failed row with the delete of
+    # every row it lacked: the run's evaluation (eval rows, eval loss) was gone.
+    run, steps, evals = rows()
+    sink.land(run.model_copy(update={"eval_loss": 2.5, "params_sha256": "abc"}), steps, evals)
+    failed, fewer, _ = rows(steps=range(1, 4), loss_offset=1.0, status="failed")
+    failed = failed.model_copy(update={"error": "TerminationSignal: SIGTERM", "final_step": 5})
+    for _ in range(2):  # idempotent: no row twice
+        sink.land(failed, fewer, [])
+        assert [count(sink, t, "r1") for t in ("runs", "step_metrics", "eval_metrics")] == [1, 5, 1]
+    row = sink.read_run("r1")
+    assert (row.status, row.error) == ("failed", "TerminationSignal: SIGTERM")
+    assert (row.eval_loss, row.params_sha256, row.train_loss_first) == (2.5, "abc", 5.0)
+    got = sink.query(
+        f"SELECT step, loss FROM `{sink.dataset}.step_metrics` WHERE run_id = @run_id "
+        "ORDER BY step",
+        "r1",
+    )
+    # Rows it has are updated, rows it lacks are kept.
+    assert [round(loss - 5.0 / s, 6) for s, loss in got] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    sink.land(*rows(steps=range(1, 3)))  # a completed landing is exact again
+    assert [count(sink, t, "r1") for t in ("runs", "step_metrics", "eval_metrics")] == [1, 2, 1]
+    assert sink.read_run("r1").eval_loss is None
 
 
 def test_a_run_id_that_would_need_escaping_is_refused(sink):
