@@ -31,7 +31,8 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
     """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
     land, tearing the slice down whatever fails; a run whose training finished in an
     earlier invocation skips to evaluate. A failed run still lands a `runs` row, one
-    stopped by Ctrl-C or SIGTERM too."""
+    stopped by Ctrl-C or SIGTERM too, during the landing or the summary included: the row
+    says failed whenever the run does, and keeps the results landed before."""
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
     with run_held(plan):  # RunInUse if another orchestrator runs it: nothing spent, no row
@@ -45,9 +46,11 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
                     train_with_retries(config)(config, plan, config_path)
             verified = verified or verify_checkpoint(config, plan)
             result = evaluate_checkpoint(plan, verified.step)
+            # Inside the try: a signal while landing waits for the metrics file, or after
+            # the completed row landed, must still leave a failed row, as the exit says.
+            run = land_metrics(config, plan, started, verified, result)
+            publish_summary(config, plan, run)
         except BaseException as exc:  # Ctrl-C and SIGTERM too: a crashed run keeps its row
             land_failure(config, plan, started, verified, result, exc)
             raise
-        run = land_metrics(config, plan, started, verified, result)
-        publish_summary(config, plan, run)
         return run

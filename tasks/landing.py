@@ -136,6 +136,12 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+# How long a stopped run's row waits for a DuckDB file another process holds (a notebook,
+# another run's landing) before it gives up: `docker stop` sends SIGKILL 10 s after its
+# SIGTERM, and the crash hooks and the temporary API server's stop still come after it.
+INTERRUPTED_LOCK_WAIT_S = 5.0
+
+
 def land_failure(
     config: PipelineConfig,
     plan: RunPlan,
@@ -148,10 +154,17 @@ def land_failure(
 
     The row is best effort: if landing fails too, that is logged and noted on `exc`, and
     `exc` goes on, so a run's cause (a workload error, a preemption budget spent, Ctrl-C)
-    is never replaced by its metrics' error.
+    is never replaced by its metrics' error. A run stopped by a signal (Ctrl-C, SIGTERM:
+    not an `Exception`) waits at most `INTERRUPTED_LOCK_WAIT_S` for the metrics file, so
+    it still exits promptly. Landing a failed run keeps what an earlier invocation landed
+    and this one has no value for (its evaluation, its step rows): see
+    `infra.metrics.rows`.
     """
+    wait = None if isinstance(exc, Exception) else INTERRUPTED_LOCK_WAIT_S
     try:
-        land_metrics(config, plan, started_at, verified, result, error=describe_error(exc))
+        land_metrics(
+            config, plan, started_at, verified, result, describe_error(exc), lock_wait_s=wait
+        )
     except Exception as landing:
         get_run_logger().warning("could not land the failed run's row: %s", landing)
         exc.add_note(f"(its runs row was not landed: {type(landing).__name__}: {landing})")
@@ -165,19 +178,36 @@ def land_metrics(
     verified: VerifiedCheckpoint | None,
     result: EvalResult | None,
     error: str | None = None,
+    lock_wait_s: float | None = None,
 ) -> RunRow:
-    """Land the run idempotently: landing twice leaves one copy of every row."""
+    """Land the run idempotently: landing twice leaves one copy of every row.
+
+    Args:
+        config: the run's config.
+        plan: its plan (run directory, metrics path).
+        started_at: when this invocation started.
+        verified: the verified final checkpoint, if this invocation got that far.
+        result: its evaluation, if this invocation got that far.
+        error: why the run failed; None lands it completed.
+        lock_wait_s: for DuckDB, how long to wait for a file another process holds
+            (None: the sink's default).
+
+    Returns:
+        The `runs` row as this invocation built it (a failed row that kept results landed
+        earlier has them in the sink, not here).
+    """
     run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
-    sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics)
+    sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, lock_wait_s)
     sink.ensure_tables()
     landed = sink.land(run, steps, evals)
     get_run_logger().info(
-        "landed run %s (%s): %d step rows, %d eval rows in %s",
+        "landed run %s (%s): %d step rows, %d eval rows in %s%s",
         run.run_id,
         run.status,
         landed.steps,  # one per step: a step trained again after a resume counts once
         landed.evals,
         plan.metrics_path,
+        "" if error is None else " (as a failed run: the rows landed before it are kept)",
     )
     return run
 

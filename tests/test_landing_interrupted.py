@@ -1,5 +1,6 @@
-"""An interrupted rerun of a finished run: its failed `runs` row keeps the results an
-earlier invocation landed (eval rows, eval loss, step rows).
+"""A run stopped by a signal during or after its landing, and an interrupted rerun of a
+finished run: the `runs` row says failed as the exit does, and keeps the results landed
+before (eval rows, eval loss, step rows).
 
 Ctrl-C (KeyboardInterrupt) stands for SIGTERM here: in-process, Prefect's SIGTERM
 handler would re-send the signal to the test process once the flow has crashed.
@@ -7,6 +8,13 @@ handler would re-send the signal to the test process once the flow has crashed.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,8 +56,68 @@ def landed(metrics: Path) -> tuple[tuple, int, list[tuple]]:
     return run, steps, evals
 
 
+@contextlib.contextmanager
+def held(path: Path, release: Path) -> Iterator[None]:
+    """Another process holds the DuckDB file at `path` open until `release` exists."""
+    holder = textwrap.dedent(f"""
+        import duckdb, os, time
+        con = duckdb.connect({str(path)!r})
+        print("locked", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        con.close()
+    """)
+    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout.readline().strip() == "locked"
+        try:
+            yield
+        finally:
+            release.touch()
+
+
 def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
+
+
+def test_a_signal_while_landing_waits_for_the_file_still_lands_the_failed_row(
+    finished, tmp_path, monkeypatch
+):
+    # SIGTERM while land-metrics waited for a file another process held: no row landed
+    # at all, though the file was free a second later (land-metrics was outside the
+    # flow's try, so no failed row was attempted).
+    import infra.metrics.duckdb_sink as duckdb_sink
+
+    metrics, release = tmp_path / "m.duckdb", tmp_path / "release"
+    signalled = []
+
+    def sleep(seconds):  # the landing's wait for the lock: signalled in its first pause
+        if not signalled:
+            signalled.append(seconds)
+            release.touch()  # the holder lets go once the landing was interrupted
+            raise KeyboardInterrupt
+        time.sleep(seconds)
+
+    waiting = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+    monkeypatch.setattr(duckdb_sink, "time", waiting)
+    with held(metrics, release), pytest.raises(KeyboardInterrupt):
+        rerun(finished, metrics)
+    assert signalled
+    (status, error, eval_loss, _), steps, evals = landed(metrics)
+    assert status == "failed" and error == "KeyboardInterrupt"
+    assert eval_loss is not None and len(evals) == 1 and steps > 0  # this run evaluated
+
+
+def test_a_signal_after_the_completed_row_landed_leaves_it_failed(finished, tmp_path, monkeypatch):
+    # SIGTERM during publish-summary: exit 143 and a crashed flow run, the row completed.
+    import flows.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "publish_summary", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rerun(finished, tmp_path / "m.duckdb")
+    (status, error, eval_loss, _), _, evals = landed(tmp_path / "m.duckdb")
+    assert status == "failed" and error == "KeyboardInterrupt"
+    assert eval_loss is not None and len(evals) == 1
 
 
 def test_an_interrupted_rerun_of_a_finished_run_keeps_its_evaluation(
@@ -71,3 +139,23 @@ def test_an_interrupted_rerun_of_a_finished_run_keeps_its_evaluation(
     monkeypatch.undo()
     assert rerun(finished, metrics).status == "completed"  # and a rerun completes it again
     assert landed(metrics) == (("completed", None, eval_loss, sha), steps, evals)
+
+
+def test_a_stopped_run_waits_for_a_held_metrics_file_only_briefly(finished, tmp_path, monkeypatch):
+    # A stopped run's row waited the sink's 30 s for a held file: `docker stop` sends
+    # SIGKILL after 10 s, before the crash hooks and the API server's stop had run.
+    import flows.pipeline as pipeline
+    from tasks.landing import INTERRUPTED_LOCK_WAIT_S
+
+    stopped_at = []
+
+    def stopped(*args, **kwargs):
+        stopped_at.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "evaluate_checkpoint", stopped)
+    metrics = tmp_path / "m.duckdb"
+    with held(metrics, tmp_path / "release"), pytest.raises(KeyboardInterrupt) as err:
+        rerun(finished, metrics)
+    assert time.monotonic() - stopped_at[0] < INTERRUPTED_LOCK_WAIT_S + 10
+    assert "runs row was not landed" in " ".join(err.value.__notes__)

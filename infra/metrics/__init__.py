@@ -53,7 +53,9 @@ class MetricsSink(Protocol):
         ...
 
 
-def build_sink(kind: str, path: str, config: Any = None) -> MetricsSink:
+def build_sink(
+    kind: str, path: str, config: Any = None, lock_timeout_s: float | None = None
+) -> MetricsSink:
     """The metrics sink of `kind`.
 
     Args:
@@ -61,6 +63,8 @@ def build_sink(kind: str, path: str, config: Any = None) -> MetricsSink:
         path: for "duckdb", the database file.
         config: the `MetricsConfig` (required for "bigquery": project, dataset, location,
             credentials_block).
+        lock_timeout_s: for "duckdb", how long to wait while another process holds the
+            file (None: the sink's default).
 
     Returns:
         A new sink; for "bigquery" with its own client, built here once.
@@ -69,7 +73,7 @@ def build_sink(kind: str, path: str, config: Any = None) -> MetricsSink:
         ValueError: if `kind` is not a known backend, or "bigquery" comes without a config.
     """
     if kind == "duckdb":
-        return DuckDBSink(path)
+        return DuckDBSink(path) if lock_timeout_s is None else DuckDBSink(path, lock_timeout_s)
     if kind == "bigquery":
         if config is None:
             raise ValueError("the bigquery sink needs the metrics config")
