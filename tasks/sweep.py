@@ -28,6 +28,8 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
 from tasks.plan import check_resumable, plan_run
+from tasks.prepare import DatasetError, check_inputs
+from tasks.pricing import price_for
 from tasks.sweep_deployed import cancel_trial_runs, ensure_trial_deployment
 from tasks.sweep_models import (
     Launcher,
@@ -109,10 +111,10 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     it before any trial runs."""
     sweep_id = config.sweep_name or new_sweep_name()
     trials = build_trials(config, sweep_id)
-    check_trials_resumable(trials)
     via = config.trials_via
     if via == "auto":
         via = "deployment" if deployed else "subflow"
+    check_trials(trials, local_inputs=via == "subflow")
     with get_client(sync_client=True) as client:
         if via == "deployment":
             ensure_trial_deployment(config.trial_deployment, client)
@@ -143,21 +145,32 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     return plan
 
 
-def check_trials_resumable(trials: list[Trial]) -> None:
-    """A sweep run again resumes its trials, so each must train what its run trained.
+def check_trials(trials: list[Trial], local_inputs: bool) -> None:
+    """What `tpupipe validate` checks, for every trial, before any trial runs.
 
-    Checked for all trials before any runs: a space changed since the first sweep of this
-    name otherwise let every trial take its chips and fail its own validation, and the
-    sweep then replaced the finished sweep's `sweeps` rows with failed ones.
+    Each trial's price (a `cost.price_table` that does not read) and, when the trials run
+    on this machine (`local_inputs`), what its config points at: its local sources and
+    tokenizer file (`tasks.prepare.check_inputs`). A source that matched no file used to
+    fail its trial only once the trials before it had trained. Deployed trials run on a
+    worker, whose files are not this machine's: they check their inputs there.
+
+    A sweep run again resumes its trials, so each must also train what its run trained:
+    a space changed since the first sweep of this name otherwise let every trial take
+    its chips and fail its own validation, and the sweep then replaced the finished
+    sweep's `sweeps` rows with failed ones.
 
     Raises:
-        ConfigError: naming each trial, its overrides and the fields that changed.
+        ConfigError: naming each trial, its overrides and what is wrong.
     """
     problems = []
     for trial in trials:
         try:
-            check_resumable(trial.config, plan_run(trial.config))
-        except ConfigError as exc:
+            price_for(trial.config)
+            if local_inputs:
+                check_inputs(trial.config, plan_run(trial.config), remote=False)
+            else:
+                check_resumable(trial.config, plan_run(trial.config))
+        except (ConfigError, DatasetError) as exc:
             params = ", ".join(f"{k}={v!r}" for k, v in trial.params.items())
             problems.append(f"trial {trial.index} ({params}): {exc}")
     if problems:

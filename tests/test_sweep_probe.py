@@ -96,17 +96,41 @@ def test_a_sweep_rerun_that_would_train_other_configs_is_refused_before_any_tria
     fail its own validation ('already exists with a different training config'); the sweep
     then replaced the finished sweep's `sweeps` rows with failed ones."""
     from tasks.plan import plan_run, write_workload_config
-    from tasks.sweep import check_trials_resumable
+    from tasks.sweep import check_trials
     from tasks.sweep_space import build_trials
 
     for trial in build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.2]}), "s"):
         write_workload_config(trial.config, plan_run(trial.config), str(tmp_path / "ds"))
     again = build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.3]}), "s")
     with pytest.raises(ConfigError) as err:
-        check_trials_resumable(again)
+        check_trials(again, local_inputs=False)
     assert "trial 1 (train.learning_rate=0.3): run 's-t01' already exists" in str(err.value)
     assert "trial 0" not in str(err.value)
-    check_trials_resumable(again[:1])  # the same point again resumes it: fine
+    check_trials(again[:1], local_inputs=False)  # the same point again resumes it: fine
+
+
+def test_every_trials_inputs_are_checked_as_validate_checks_them_before_any_trial(tmp_path):
+    """A trial whose source matched no file failed only once the trials before it had
+    trained; a missing tokenizer or price table likewise."""
+    from tasks.sweep import check_trials
+    from tasks.sweep_space import build_trials
+
+    nothing = str(tmp_path / "nodata" / "*.txt")
+    grid = {
+        "dataset.sources": [["stdlib"], [nothing]],
+        "dataset.tokenizer": [None, str(tmp_path / "tok.json")],
+    }
+    trials = build_trials(_sweep_of(tmp_path, grid), "s")
+    with pytest.raises(ConfigError) as err:
+        check_trials(trials, local_inputs=True)
+    said = str(err.value)
+    assert "trial 0" not in said
+    assert f"trial 1 (dataset.sources=['stdlib'], dataset.tokenizer='{tmp_path}/tok.json')" in said
+    assert f"'{nothing}' matches no file" in said and "tok.json cannot be read" in said
+    check_trials(trials, local_inputs=False)  # deployed trials check their inputs on a worker
+    priced = _sweep_of(tmp_path, {"cost.price_table": [str(tmp_path / "prices.yaml")]})
+    with pytest.raises(ConfigError, match=r"trial 0 .*prices\.yaml"):
+        check_trials(build_trials(priced, "p"), local_inputs=False)
 
 
 def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
