@@ -14,7 +14,7 @@ from prefect import flow, runtime
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.pipeline import tpu_training_pipeline
-from tasks.sweep import plan_sweep, run_trials
+from tasks.sweep import plan_sweep, run_trials, sweep_lock
 from tasks.sweep_deployed import launch_deployment
 from tasks.sweep_models import SweepInterrupted, SweepPlan, TrialOutcome, outcome_from_state
 from tasks.sweep_results import (
@@ -52,13 +52,14 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
     plan = plan_sweep(
         config, str(runtime.flow_run.id or "") or None, deployed=bool(runtime.deployment.id)
     )
-    try:
-        results, interrupted = run_trials(plan, launch, partial(land_early, plan)), None
-    except SweepInterrupted as exc:  # Ctrl-C, SIGTERM: record what ran, then stop
-        results, interrupted = exc.results, exc.cause
-    results = attach_landed_runs(plan, results)
-    publish_leaderboard(plan, results)
-    land_sweep(plan, results)
+    with sweep_lock(plan):  # RunInUse if this sweep name is running: nothing started
+        try:
+            results, interrupted = run_trials(plan, launch, partial(land_early, plan)), None
+        except SweepInterrupted as exc:  # Ctrl-C, SIGTERM: record what ran, then stop
+            results, interrupted = exc.results, exc.cause
+        results = attach_landed_runs(plan, results)
+        publish_leaderboard(plan, results)
+        land_sweep(plan, results)
     if interrupted is not None:
         raise interrupted
     return summarize(plan, results)

@@ -42,7 +42,29 @@ def run_held(plan: RunPlan) -> Iterator[None]:
         RunInUse: naming the holder (pid, host, flow run, since when), at once: a run can
             take hours, so waiting for it would only hide the mistake.
     """
-    path = lock_path(plan)
+    with _held(lock_path(plan), f"run {plan.run_name!r}", "run_name", plan.flow_run_id):
+        yield
+
+
+@contextmanager
+def sweep_held(plan: RunPlan, sweep_id: str) -> Iterator[None]:
+    """Hold sweep `sweep_id`'s lock, next to the run locks of `plan` (one of its trials).
+
+    Two sweeps of one name at once each found the other's trial held (`RunInUse`),
+    recorded it failed, and the last to land replaced the `sweeps` rows: a trial that
+    completed was listed failed, without its chip-hours, and the two sweeps named two
+    different best trials.
+
+    Raises:
+        RunInUse: naming the sweep and its holder.
+    """
+    path = Path(plan.slices_root) / "locks" / f"sweep-{sweep_id}.lock"
+    with _held(path, f"sweep {sweep_id!r}", "sweep_name", plan.flow_run_id):
+        yield
+
+
+@contextmanager
+def _held(path: Path, what: str, field: str, flow_run_id: str | None) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -50,13 +72,13 @@ def run_held(plan: RunPlan) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunInUse(
-                f"run {plan.run_name!r} is being run by another orchestrator "
-                f"({_describe(path)}); wait for it to end, or choose another run_name"
+                f"{what} is being run by another orchestrator ({_describe(path)}); wait for "
+                f"it to end, or choose another {field}"
             ) from None
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "flow_run_id": plan.flow_run_id,
+            "flow_run_id": flow_run_id,
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
         os.ftruncate(fd, 0)

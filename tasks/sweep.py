@@ -15,9 +15,9 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +30,7 @@ from prefect.exceptions import ObjectNotFound
 from tasks.plan import check_resumable, plan_run
 from tasks.prepare import DatasetError, check_inputs
 from tasks.pricing import price_for
+from tasks.run_lock import sweep_held
 from tasks.sweep_deployed import cancel_trial_runs, ensure_trial_deployment
 from tasks.sweep_models import (
     Launcher,
@@ -143,6 +144,19 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         chips,
     )
     return plan
+
+
+@contextmanager
+def sweep_lock(plan: SweepPlan) -> Iterator[None]:
+    """One orchestrator per sweep name on this machine (`tasks.run_lock.sweep_held`): a
+    second sweep of a name that is running stops at once, before any trial.
+
+    Raises:
+        RunInUse: naming the sweep and the orchestrator running it.
+    """
+    first = plan_run(plan.trials[0].config).model_copy(update={"flow_run_id": plan.flow_run_id})
+    with sweep_held(first, plan.sweep_id):
+        yield
 
 
 def check_trials(trials: list[Trial], local_inputs: bool) -> None:

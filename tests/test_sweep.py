@@ -319,3 +319,27 @@ def test_sweep_row_flags_a_nonfinite_objective():
         started_at=T0,
     )
     assert row.objective_value is None and row.nonfinite
+
+
+def test_a_second_sweep_of_a_running_sweep_name_stops_before_any_trial(tmp_path, prefect_harness):
+    """Two sweeps of one name at once each recorded the other's running trial as failed
+    (RunInUse), and the last to land replaced the `sweeps` rows: a completed trial was
+    listed failed, without its chip-hours."""
+    from flows.sweep import sweep
+    from tasks.plan import plan_run
+    from tasks.run_lock import RunInUse, sweep_held
+
+    config = SweepConfig(
+        base=tiny_config(tmp_path),
+        space=SearchSpace(grid={"train.learning_rate": [0.01, 0.02]}),
+        sweep_name="busy",
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=8,
+    )
+    first = build_trials(config, "busy")[0].config
+    busy = pytest.raises(RunInUse, match=r"sweep 'busy' is being run by another orchestrator")
+    with sweep_held(plan_run(first), "busy"), busy:  # as another orchestrator would hold it
+        sweep(config=config)
+    assert not (tmp_path / "runs").exists()  # no trial started
+    with sweep_held(plan_run(first), "other"):  # another sweep name: no conflict
+        pass
