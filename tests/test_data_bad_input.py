@@ -123,6 +123,24 @@ def test_jsonl_with_old_mac_line_endings_says_why_it_is_one_line(tmp_path):
         data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
 
 
+def test_an_archive_or_utf16_text_given_as_text_is_refused_naming_it(tmp_path):
+    import tarfile
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text("some real text\n" * 50)
+    with tarfile.open(tmp_path / "corpus.tar.gz", "w:gz") as tar:  # gzip is unwrapped
+        tar.add(corpus, arcname="corpus")
+    (tmp_path / "u16.txt").write_bytes("Hello, world\n".encode("utf-16-le") * 40)  # no BOM
+    for name, where in (("corpus.tar.gz", "of the gzip-decompressed file"), ("u16.txt", "of")):
+        with pytest.raises(DatasetError, match=rf"{name} does not look like text: .* {where}"):
+            data.shard_dataset(cfg(tmp_path / name, seq_len=8), tmp_path / "out")
+    # Stray NUL bytes in real text are still text.
+    (corpus / "0.txt").write_bytes(b"some real text\0\n" * 50)
+    assert data.shard_dataset(cfg(corpus, seq_len=8, num_shards=1), tmp_path / "out").manifest
+
+
 def test_an_out_directory_that_is_a_file_is_named(tmp_path):
     corpus = make_corpus(tmp_path)
     (tmp_path / "file").write_text("not a directory")

@@ -100,6 +100,8 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
         stream, codec = compression.open_decompressed(fh)
         where = f"of the {codec}-decompressed file" if codec else "of the file"
         start = _skip_bom(stream)
+        if fmt == "text":
+            _refuse_binary(stream, src, where)
         if fmt == "text" and opts.text_unit == "file":
             yield utf8(stream.read(), src.uri, start, opts.errors, where)
         elif fmt == "text":
@@ -127,6 +129,30 @@ def _skip_bom(stream: BinaryIO) -> int:
         return 0
     stream.read(n)
     return n
+
+
+BINARY_HEAD_BYTES = 4096  # how much of a text source `_refuse_binary` looks at
+BINARY_NUL_SHARE = 0.1  # the share of NUL bytes there that means "not text"
+
+
+def _refuse_binary(stream: BinaryIO, src: SourceFile, where: str) -> None:
+    """Refuse a text source whose first bytes are largely NUL: a tar archive (a natural
+    `--source corpus.tar.gz`: gzip is unwrapped, and its 512-byte headers are mostly NUL)
+    or UTF-16 text without a byte order mark is valid UTF-8 and was trained on as text,
+    NUL tokens and tar headers included. Stray NUL bytes in real text stay allowed (no
+    file of the stdlib corpus has any in its first 4 KiB). Peeks, as `_skip_bom` does."""
+    if hasattr(stream, "peek"):
+        head = stream.peek(BINARY_HEAD_BYTES)[:BINARY_HEAD_BYTES]
+    else:
+        at = stream.tell()
+        head = stream.read(BINARY_HEAD_BYTES)
+        stream.seek(at)
+    if head and head.count(0) > BINARY_NUL_SHARE * len(head):
+        raise DatasetError(
+            f"dataset source {src.uri} does not look like text: {head.count(0)} of the first "
+            f"{len(head)} bytes {where} are NUL (an archive such as .tar, a binary file, or "
+            "UTF-16 text?): extract archives, and give text as UTF-8"
+        )
 
 
 def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the file") -> bytes:
