@@ -180,6 +180,19 @@ def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
 COST_COLUMNS = ("goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens")
 
 
+def test_a_runs_started_at_stays_its_first_start_over_later_landings(sink):
+    # Every invocation of a run name lands its row again: started_at moved to the latest
+    # one's start (a rerun that only evaluated again), while wall_s covers every attempt.
+    sink.land(run_row(started_at=T0), steps(), evals())
+    later = T0 + timedelta(hours=3)
+    sink.land(run_row(started_at=later), steps(), evals())  # completed again
+    sink.land(run_row(started_at=later, status="failed", error="SIGTERM"), [], [])
+    assert sink.read_run("run-1").started_at == T0
+    earlier = T0 - timedelta(hours=1)  # a row landed late by an earlier invocation
+    sink.land(run_row(started_at=earlier), steps(), evals())
+    assert sink.read_run("run-1").started_at == earlier
+
+
 def test_an_older_sweeps_table_gains_the_cost_columns(tmp_path):
     sink = DuckDBSink(tmp_path / "m.duckdb")
     # The sweeps table as the first sweep landings created it, before the cost ledger.

@@ -326,12 +326,17 @@ class BigQuerySink:
     ) -> str:
         # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
         # replace=False (a failed run's landing) deletes nothing, and a result column the
-        # new row has no value for keeps its stored one.
+        # new row has no value for keeps its stored one. An earliest column (the run's
+        # `started_at`) never moves later.
         columns = [c.name for c in table_schema(model)]
         key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
         kept = () if replace else model.result_fields
         updates = ", ".join(
-            f"{c} = COALESCE(S.{c}, T.{c})" if c in kept else f"{c} = S.{c}"
+            f"{c} = LEAST(S.{c}, T.{c})"
+            if c in model.earliest_fields
+            else f"{c} = COALESCE(S.{c}, T.{c})"
+            if c in kept
+            else f"{c} = S.{c}"
             for c in columns
             if c not in model.primary_key
         )

@@ -127,6 +127,8 @@ class DuckDBSink:
         replace = replaces_landed(run)
         with self._connect() as con:
             self._create_tables(con)
+            run = _keep_earliest(con, run)
+            tables[0] = (RunRow, [run])
             # A completed run: DELETE + INSERT, not INSERT OR REPLACE: the run's rows
             # become exactly the source's, so a row absent from the new landing (a step
             # rolled back and never re-run) does not survive from the old one. It is what
@@ -268,6 +270,21 @@ def _on_conflict_update(model: type[TableRow]) -> str:
     ]
     keys = ", ".join(model.primary_key)
     return f" ON CONFLICT ({keys}) DO UPDATE SET {', '.join(sets)}"
+
+
+def _keep_earliest(con: duckdb.DuckDBPyConnection, run: RunRow) -> RunRow:
+    """`run` with each of `RunRow.earliest_fields` no later than the stored row's."""
+    names = ", ".join(RunRow.earliest_fields)
+    query = f"SELECT {names} FROM {RunRow.table} WHERE run_id = ?"
+    stored = con.execute(query, [run.run_id]).fetchone()
+    if stored is None:
+        return run
+    earlier = {
+        name: old
+        for name, old in zip(RunRow.earliest_fields, stored, strict=True)
+        if old is not None and old < getattr(run, name)
+    }
+    return run.model_copy(update=earlier) if earlier else run
 
 
 def _eval_key(row: EvalMetricRow) -> tuple[int, str]:

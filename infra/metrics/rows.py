@@ -67,6 +67,8 @@ class TableRow(BaseModel):
     metric_fields: ClassVar[tuple[str, ...]] = ()
     # Columns a failed run's landing never sets to NULL (see the module docstring).
     result_fields: ClassVar[tuple[str, ...]] = ()
+    # Columns a landing never moves later than the stored value (see RunRow).
+    earliest_fields: ClassVar[tuple[str, ...]] = ()
 
     @field_validator("*", mode="before")
     @classmethod
@@ -122,6 +124,10 @@ class RunRow(TableRow):
         "params_sha256",
         "num_params",
     )
+    # When the run first started: each invocation of a run name lands its row again, and
+    # `started_at` moved to the latest one's start (a rerun that only evaluated again), while
+    # `wall_s` covers every attempt; it is also BigQuery's partition column.
+    earliest_fields: ClassVar[tuple[str, ...]] = ("started_at",)
 
     run_id: str
     run_name: str

@@ -160,6 +160,16 @@ def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
     assert sink.read_run("r1").eval_loss is None
 
 
+def test_a_runs_started_at_stays_its_first_start_over_later_landings(sink):
+    run, steps, evals = rows()
+    sink.land(run, steps, evals)
+    later = {"started_at": T0 + timedelta(hours=3)}
+    sink.land(run.model_copy(update=later), steps, evals)  # completed again
+    failed, _, _ = rows(status="failed")
+    sink.land(failed.model_copy(update={**later, "error": "SIGTERM"}), [], [])
+    assert sink.read_run("r1").started_at == T0
+
+
 def test_a_run_id_that_would_need_escaping_is_refused(sink):
     run, steps, evals = rows(run_id="r1'; DROP TABLE runs; --")
     with pytest.raises(ValueError, match="must match"):
