@@ -76,6 +76,18 @@ def test_resolve_sources_orders_by_entry_then_key_and_dedups(tmp_path):
     assert [f.key for f in globbed] == ["sub/doc1.txt", "sub/doc3.txt", "sub/doc5.txt"]
 
 
+def test_a_file_behind_a_symlink_is_read_once_from_a_file_uri_as_from_a_path(tmp_path):
+    from infra.storage import source_storage
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text")
+    (corpus / "link.txt").symlink_to(corpus / "a.txt")
+    uri = f"file://{corpus}"
+    for entry, store in ((str(corpus), None), (uri, source_storage([uri]))):
+        assert [f.key for f in data.resolve_sources([entry], store)] == ["a.txt"], entry
+
+
 def test_missing_unreadable_and_empty_sources_are_named(tmp_path):
     corpus = make_corpus(tmp_path)
     with pytest.raises(DatasetError, match=re.escape("'" + str(tmp_path / "nope/x.txt") + "'")):

@@ -67,7 +67,7 @@ def resolve_sources(
     found: dict[str, SourceFile] = {}
     for entry in sources:
         if "://" in entry:
-            files = [(f.uri, f) for f in expand_uri(entry, store)]
+            files = [(_real_uri(f.uri), f) for f in expand_uri(entry, store)]
         else:
             files = _expand_local(entry, skip)
         if not files:
@@ -75,6 +75,14 @@ def resolve_sources(
         for real, f in sorted(files, key=lambda rf: rf[1].key):
             found.setdefault(real, f)  # by real path: a file behind two names is read once
     return list(found.values())
+
+
+def _real_uri(uri: str) -> str:
+    """The identity of a listed file: a `file://` URI by its real path, so a file behind a
+    symlink is read once, as with a local entry; any other URI as it is."""
+    if uri.startswith("file://"):
+        return "file://" + os.path.realpath(uri[len("file://") :])
+    return uri
 
 
 def check_out_root(sources: list[str], out_root: str | os.PathLike) -> None:
