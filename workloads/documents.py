@@ -116,19 +116,25 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
 
 def _skip_bom(stream: BinaryIO) -> int:
     """Skip a byte order mark at the start of `stream` (some Windows tools write one);
-    returns its length, 0 or 3. Checked once per file, not per line. Decompressing streams
-    cannot all seek back, but they can peek, as can files (local and from a store, whose
-    buffer a seek back would discard); a stream without `peek` must seek."""
+    returns its length, 0 or 3. Checked once per file, not per line."""
     n = len(_BOM)
-    if not hasattr(stream, "peek"):
-        if stream.read(n) == _BOM:
-            return n
-        stream.seek(0)
-        return 0
-    if stream.peek(n)[:n] != _BOM:
+    if _peek(stream, n) != _BOM:
         return 0
     stream.read(n)
     return n
+
+
+def _peek(stream: BinaryIO, n: int) -> bytes:
+    """Up to the next `n` bytes of `stream`, leaving its position where it was.
+    Decompressing streams cannot all seek back, but they can peek, as can files (local and
+    from a store, whose buffer a seek back would discard); a stream without `peek` must
+    seek."""
+    if hasattr(stream, "peek"):
+        return stream.peek(n)[:n]
+    at = stream.tell()
+    head = stream.read(n)
+    stream.seek(at)
+    return head
 
 
 BINARY_HEAD_BYTES = 4096  # how much of a text source `_refuse_binary` looks at
@@ -140,13 +146,8 @@ def _refuse_binary(stream: BinaryIO, src: SourceFile, where: str) -> None:
     `--source corpus.tar.gz`: gzip is unwrapped, and its 512-byte headers are mostly NUL)
     or UTF-16 text without a byte order mark is valid UTF-8 and was trained on as text,
     NUL tokens and tar headers included. Stray NUL bytes in real text stay allowed (no
-    file of the stdlib corpus has any in its first 4 KiB). Peeks, as `_skip_bom` does."""
-    if hasattr(stream, "peek"):
-        head = stream.peek(BINARY_HEAD_BYTES)[:BINARY_HEAD_BYTES]
-    else:
-        at = stream.tell()
-        head = stream.read(BINARY_HEAD_BYTES)
-        stream.seek(at)
+    file of the stdlib corpus has any in its first 4 KiB)."""
+    head = _peek(stream, BINARY_HEAD_BYTES)
     if head and head.count(0) > BINARY_NUL_SHARE * len(head):
         raise DatasetError(
             f"dataset source {src.uri} does not look like text: {head.count(0)} of the first "
