@@ -100,7 +100,9 @@ def shard_root(plan: RunPlan) -> str:
     return cache_root() if "://" in plan.datasets_root else plan.datasets_root
 
 
-def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> tuple[RunPlan, int]:
+def check_inputs(
+    config: PipelineConfig, plan: RunPlan, remote: bool = True, listed: dict | None = None
+) -> tuple[RunPlan, int]:
     """What the config points at, checked before anything is spent: every source resolves,
     the tokenizer file loads, and a rerun of an existing run trains the same thing on the
     same dataset.
@@ -110,6 +112,8 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
         plan: Its run plan (`tasks.plan.plan_run`).
         remote: False skips what needs cloud access (`gs://` sources, a `gs://` run
             directory): `tpupipe validate` checks what this machine can see.
+        listed: Where a caller checking many configs (a sweep's trials) keeps the sources
+            already listed, by dataset options and root: trials of one corpus list it once.
 
     Returns:
         The plan to run with (see `check_resumable`) and the number of source files found.
@@ -118,18 +122,26 @@ def check_inputs(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> 
         ConfigError / DatasetError: naming the field, file or source at fault.
     """
     check_local_paths(config, plan)
-    dataset = config.dataset
-    sources = [s for s in dataset.sources if remote or "://" not in s]
-    fingerprint = None
-    if sources == dataset.sources:  # all of them: the dataset this run would train on
-        out_root = shard_root(plan)
-        _, files, fingerprint = data.resolve_dataset(dataset, out_root, source_storage(sources))
-    else:
-        files = data.resolve_sources(sources, source_storage(sources)) if sources else []
-        data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
+    listed = {} if listed is None else listed
+    key = (config.dataset.model_dump_json(), shard_root(plan), remote)
+    if key not in listed:
+        listed[key] = _resolve(config.dataset, shard_root(plan), remote)
+    files, fingerprint = listed[key]
     if remote or "://" not in plan.run_dir:
         plan = check_resumable(config, plan, fingerprint, files)
     return plan, len(files)
+
+
+def _resolve(dataset, out_root: str, remote: bool) -> tuple[list, str | None]:
+    """The source files `check_inputs` sees, and the dataset's fingerprint when every
+    source was listed (else None)."""
+    sources = [s for s in dataset.sources if remote or "://" not in s]
+    if sources == dataset.sources:  # all of them: the dataset this run would train on
+        _, files, fingerprint = data.resolve_dataset(dataset, out_root, source_storage(sources))
+        return files, fingerprint
+    files = data.resolve_sources(sources, source_storage(sources)) if sources else []
+    data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
+    return files, None
 
 
 def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:

@@ -176,12 +176,12 @@ def check_trials(trials: list[Trial], local_inputs: bool) -> None:
     Raises:
         ConfigError: naming each trial, its overrides and what is wrong.
     """
-    problems = []
+    problems, listed = [], {}  # trials of one corpus list it once
     for trial in trials:
         try:
             price_for(trial.config)
             if local_inputs:
-                check_inputs(trial.config, plan_run(trial.config), remote=False)
+                check_inputs(trial.config, plan_run(trial.config), remote=False, listed=listed)
             else:
                 check_resumable(trial.config, plan_run(trial.config))
         except (ConfigError, DatasetError) as exc:

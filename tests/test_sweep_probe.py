@@ -133,6 +133,21 @@ def test_every_trials_inputs_are_checked_as_validate_checks_them_before_any_tria
         check_trials(build_trials(priced, "p"), local_inputs=False)
 
 
+def test_trials_of_one_corpus_list_it_once(tmp_path, monkeypatch):
+    from tasks import prepare
+    from tasks.sweep import check_trials
+    from tasks.sweep_space import build_trials
+
+    calls = []
+    real = prepare.data.resolve_dataset
+    monkeypatch.setattr(
+        prepare.data, "resolve_dataset", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    trials = build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.2, 0.3]}), "s")
+    check_trials(trials, local_inputs=True)
+    assert len(calls) == 1
+
+
 def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
     """A trial that failed before landing anything was given the `runs` row an earlier run
     of its name had landed: the sweep's rows and totals showed that run's eval loss and
