@@ -60,10 +60,10 @@ def reference(tmp_path_factory, prefect_harness):
     ("sig", "trigger", "max_lost"),
     [
         ("TERM", "at_step", 0),  # a preemption notice: the workload saves first
-        # A hard loss goes back to the last committed checkpoint: up to checkpoint_every
-        # steps, plus the steps that ran while a newer save was still being written.
-        ("KILL", "at_step", 20),
-        ("KILL", "during_save", 20),
+        # A hard loss goes back to the last committed checkpoint: at most checkpoint_every
+        # steps, even while a newer save is still being written.
+        ("KILL", "at_step", 10),
+        ("KILL", "during_save", 10),
     ],
 )
 def test_preempted_runs_finish_with_the_uninterrupted_parameters(reference, sig, trigger, max_lost):

@@ -73,6 +73,14 @@ def test_a_max_seq_len_positions_cannot_hold_is_refused(tmp_path):
         load_config(path)
 
 
+def test_a_lost_steps_bound_below_the_checkpoint_interval_is_refused(tmp_path):
+    path = write(tmp_path, "train:\n  checkpoint_every: 10\n  max_lost_steps: 4\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: train.max_lost_steps: .*4 is below"):
+        load_config(path)
+    assert load_config(path, ["train.max_lost_steps=10"]).train.lost_steps_bound == 10
+    assert PipelineConfig(train={"checkpoint_every": 7}).train.lost_steps_bound == 7
+
+
 def test_overrides_are_applied_and_blamed(tmp_path):
     path = write(tmp_path, "train: {steps: 10}\n")
     cfg = load_config(path, ["train.steps=20", "model.dtype=float32", "run_name=abc"])
@@ -103,7 +111,7 @@ def test_cadence_and_names_do_not_change_what_is_trained():
     base = PipelineConfig(model={"size": "small"})
     same = PipelineConfig(
         model=base.model.model_dump(exclude={"size"}),
-        train={"checkpoint_every": 7, "keep_checkpoints": 1, "log_every": 1},
+        train={"checkpoint_every": 7, "keep_checkpoints": 1, "log_every": 1, "max_lost_steps": 9},
         dataset={"workers": 2},
     )
     assert same.config_hash() == base.config_hash()

@@ -111,8 +111,7 @@ def test_preempted_then_killed_run_ends_bit_identical(tmp_path):
     preempted_at = status["step"]
 
     # A SIGKILL is a hard loss: the steps since the last committed checkpoint, at most
-    # checkpoint_every. (A kill while a save is still being written loses that save too:
-    # the bound is then checkpoint_every plus the steps the save overlapped.)
+    # checkpoint_every (a kill while a save is written goes back to the one before).
     attempt = run.start()
     committed = (preempted_at // every + 2) * every
     seen = run.signal_at(attempt, committed + 3, signal.SIGKILL, committed=committed)
@@ -137,6 +136,19 @@ def test_preempted_then_killed_run_ends_bit_identical(tmp_path):
         # resumed attempt (which also skips the peak measurement, reusing the run's).
         assert row["compile_cache_hits"] >= cold["compile_cache_misses"] - 10 > 0
         assert row["compile_cache_misses"] <= 1
+
+
+@pytest.mark.parametrize("bound", [None, 8])
+def test_a_kill_while_a_save_is_written_loses_at_most_the_bound(tmp_path, bound):
+    # Tiny steps take milliseconds and a save tens of them: unchecked, training ran many
+    # steps past a save still being written, and a kill then went back to the save before.
+    every = 4
+    extra = [] if bound is None else [f"train.max_lost_steps={bound}"]
+    run = WorkloadRun(tmp_path, *EXACT, "train.steps=40", f"train.checkpoint_every={every}", *extra)
+    attempt = run.start()
+    seen = run.signal_at(attempt, 3 * every + 2, signal.SIGKILL)
+    run.wait(attempt)
+    assert 0 <= seen - checkpoint.latest_step(str(run.run_dir)) <= (bound or every)
 
 
 def test_an_attempt_that_lost_its_lease_stops_without_writing(tmp_path):

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from workloads.config_checks import cross_field_problems
 from workloads.config_infra import (  # noqa: F401  (re-exported: the config's one home)
@@ -229,6 +229,32 @@ class TrainConfig(_Strict):
         ),
     )
     log_every: Int = Field(10, ge=1, description="Write step metrics every N steps.")
+    max_lost_steps: Int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The most steps a hard kill (SIGKILL, a host lost) may cost, enforced: once "
+            "training would pass it while a save is still being written, the loop waits "
+            "for that save to commit. Default: checkpoint_every (a save overlaps one step). "
+            "Larger lets slow saves (large states, remote storage) overlap more steps."
+        ),
+    )
+
+    @field_validator("max_lost_steps")
+    @classmethod
+    def _covers_the_interval(cls, value: int | None, info: ValidationInfo) -> int | None:
+        every = info.data.get("checkpoint_every")
+        if value is not None and every is not None and value < every:
+            raise ValueError(
+                f"{value} is below train.checkpoint_every ({every}): the steps between "
+                "two saves are lost to a kill just before the second"
+            )
+        return value
+
+    @property
+    def lost_steps_bound(self) -> int:
+        """The most steps a hard kill may cost (max_lost_steps, or checkpoint_every)."""
+        return self.max_lost_steps or self.checkpoint_every
 
     @field_validator("learning_rate", "weight_decay")
     @classmethod
@@ -356,7 +382,7 @@ def padded_vocab_size(vocab_size: int) -> int:
 _NOT_TRAINING = {
     "dataset": {"workers"},
     "model": {"size"},
-    "train": {"checkpoint_every", "keep_checkpoints", "log_every"},
+    "train": {"checkpoint_every", "keep_checkpoints", "log_every", "max_lost_steps"},
 }
 
 

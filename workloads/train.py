@@ -201,7 +201,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     )
     step_fn = make_train_step(state.graphdef, mesh)
     total, every = cfg.train.steps, cfg.train.checkpoint_every
-    step = last_saved = start
+    step = last_saved = committed = start
     loss, beat_s = None, heartbeat_interval(cfg.slice)
     # Noticed during start-up: nothing new to save. (A finished run just says so below.)
     if notice.received and start < total:
@@ -212,6 +212,12 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         while step < total:
             step += 1
             arrays, metrics = step_fn(arrays, place_batch(next(data), mesh))
+            if last_saved > committed and step - committed > cfg.train.lost_steps_bound:
+                # A kill after this step would go back further than the bound: let the
+                # save under way commit first (it overlapped this step's dispatch). Every
+                # host decides this from step numbers alone, so they all wait together.
+                mngr.wait_until_finished()
+                committed = last_saved
             window.add(step, metrics)
             # Read the flag once: a signal landing mid-iteration must not skip the save below
             # yet still take the exit, or the exit would claim a step that was never saved.
@@ -247,7 +253,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                 checkpoint.save(
                     mngr, step, arrays, input.iterator_state_to_json(data), wcfg.config_hash
                 )
-                last_saved = step
+                committed, last_saved = last_saved, step  # a save first waits for the last one
                 report.event("checkpoint", step=step)
             if preempted:
                 report.status("saving", step=step, last_checkpoint=step)
