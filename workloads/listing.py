@@ -150,14 +150,15 @@ def _expand_local(entry: str, skip: DirId = None) -> list[Located]:
             )
         return _walk(entry, entry, skip)
     if os.path.lexists(entry):  # also a FIFO or dangling link: refused by name in _local
-        return [(os.path.realpath(entry), _local(entry, os.path.dirname(os.path.abspath(entry))))]
+        base = _base(os.path.dirname(os.path.abspath(entry)))
+        return [(os.path.realpath(entry), _local(os.path.abspath(entry), base))]
     root = _static_prefix(entry)
-    out, real_dirs = [], {}
+    base, out, real_dirs = _base(root), [], {}
     for match in sorted(_glob(entry, skip)):
         if os.path.isdir(match):
             out.extend(_walk(match, root, skip))
         elif os.path.isfile(match):  # sockets, fifos and dangling links are not documents
-            out.append((_real(match, real_dirs), _local(match, root)))
+            out.append((_real(match, real_dirs), _local(os.path.abspath(match), base)))
     return out
 
 
@@ -276,7 +277,7 @@ def _walk(
     many small files; for the same reason a file's real path is `top`'s plus its
     relative path, unless the file is itself a link."""
     top = os.path.abspath(top)
-    real_top = os.path.realpath(top)
+    real_top, base = os.path.realpath(top), _base(root)
     out, pending = [], [top]
     while pending:
         directory = pending.pop()
@@ -297,12 +298,18 @@ def _walk(
                     pending.append(e.path)
             elif e.name.endswith(suffix) and e.is_file():
                 real = os.path.realpath(e.path) if e.is_symlink() else real_top + e.path[len(top) :]
-                out.append((real, _local(e.path, root, e)))
+                out.append((real, _local(e.path, base, e)))
     return out
 
 
-def _local(path: str, root: str, entry: os.DirEntry | None = None) -> SourceFile:
-    path = os.path.abspath(path)
+def _base(root: str) -> str:
+    """The prefix `_local` strips from a file's absolute path to key it relative to `root`."""
+    return os.path.abspath(root) + os.sep
+
+
+def _local(path: str, base: str, entry: os.DirEntry | None = None) -> SourceFile:
+    """The SourceFile of the file at absolute `path`, keyed relative to `base` (`_base`);
+    `entry`, its directory entry if listed, spares a `stat` call's path lookup."""
     try:
         st = entry.stat() if entry is not None else os.stat(path)
         # os.access does not see every reason a read fails, but it is the cheap, early check;
@@ -314,7 +321,6 @@ def _local(path: str, root: str, entry: os.DirEntry | None = None) -> SourceFile
         raise DatasetError(f"dataset source file {path} is not readable: {reason}") from exc
     if not stat.S_ISREG(st.st_mode):
         raise DatasetError(_not_regular(path, st.st_mode))
-    base = os.path.abspath(root) + os.sep
     rel = path[len(base) :] if path.startswith(base) else os.path.relpath(path, base)
     return SourceFile(path, rel.replace(os.sep, "/"), st.st_size, st.st_mtime_ns)
 
