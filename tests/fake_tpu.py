@@ -89,6 +89,8 @@ class FakeTpuApi:
         faults: (method, path suffix, http_code) answered once each, in order, by the
             first request that matches, before anything else happens (a transient 503 on
             a GET of an operation, a 429 on a delete, …); code RESET (0) hangs up instead.
+        hold_creates: when set to an Event, a create request waits for it before it is
+            carried out (a request still in flight); `create_arrived` is set on its arrival.
         calls: (method, path) of every request; creates: node ids created, in order.
     """
 
@@ -105,6 +107,8 @@ class FakeTpuApi:
         self.on_ready: Callable[[str, str, dict], None] | None = None
         self.on_gone: Callable[[str, str, dict], None] | None = None
         self.calls: list[tuple[str, str]] = []
+        self.hold_creates: threading.Event | None = None
+        self.create_arrived = threading.Event()
         self.creates: Counter[str] = Counter()
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -128,11 +132,14 @@ class FakeTpuApi:
                     self.close_connection = True
                     return
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up waiting (interrupted): the work is done anyway
 
             def do_GET(self) -> None:
                 self._serve("GET")
@@ -180,6 +187,9 @@ class FakeTpuApi:
             self._inject_fault(method, url.path)
             if self.deny:
                 raise ApiError(403, "Permission 'tpu.nodes.create' denied on resource")
+            if method == "POST" and self.hold_creates is not None:
+                self.create_arrived.set()
+                self.hold_creates.wait(60)  # outside the lock: reads go on meanwhile
             with self._lock:
                 return 200, self._dispatch(method, route.groupdict(), query, body)
         except ApiError as e:

@@ -84,6 +84,7 @@ class GcpSliceProvider:
         self.tpu, self.storage, self.settings = tpu, storage, settings
         self._clock, self._sleep = clock, sleep
         self._zone_of: dict[str, str] = {}  # where we last saw each slice: try it first
+        self._unanswered: set[str] = set()  # creates interrupted before their answer
 
     # -- the SliceProvider protocol ----------------------------------------------------
 
@@ -203,7 +204,25 @@ class GcpSliceProvider:
                     failed.append(f"{zone}: {e}")
         if failed:
             raise SliceError(f"slice {name!r} could not be deleted in {'; '.join(failed)}")
+        if not deleted and name in self._unanswered:
+            return self._delete_late_create(name)
         return deleted
+
+    def _delete_late_create(self, name: str) -> bool:
+        """Watch for the slice of a create request interrupted before its answer, which
+        the API may carry out after this process's delete found nothing (a SIGTERM or
+        Ctrl-C in the middle of the request): delete it if it appears within
+        `late_create_s`. Otherwise it would live until a reaper run past its ttl."""
+        self._unanswered.discard(name)
+        deadline = self._clock() + self.settings.late_create_s
+        log.info("slice %s: its create was interrupted; watching for it to appear", name)
+        while self._clock() < deadline:
+            self._sleep(self.settings.poll_s)
+            with self._denied("read"):
+                landed = self._find_node(name) or self._find_queued(name)
+            if landed:
+                return self.delete(name)
+        return False
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
         """Slices (nodes, and spot requests still waiting) carrying every given label."""
@@ -250,8 +269,11 @@ class GcpSliceProvider:
             if self.settings.capacity == "spot":
                 self._queue(parent, name, node)
             else:
-                op = self.tpu.create_node(
-                    parent=parent, node_id=name, node=node, retry=CREATE_RETRY
+                op = self._send_create(
+                    name,
+                    lambda: self.tpu.create_node(
+                        parent=parent, node_id=name, node=node, retry=CREATE_RETRY
+                    ),
                 )
                 self._wait_op(op)
         except gexc.Conflict:
@@ -278,8 +300,14 @@ class GcpSliceProvider:
         request = spot_request(parent, name, node, timeout)
         zone = parent.rsplit("/", 1)[-1]
         if not adopt:
-            op = self.tpu.create_queued_resource(
-                parent=parent, queued_resource_id=name, queued_resource=request, retry=CREATE_RETRY
+            op = self._send_create(
+                name,
+                lambda: self.tpu.create_queued_resource(
+                    parent=parent,
+                    queued_resource_id=name,
+                    queued_resource=request,
+                    retry=CREATE_RETRY,
+                ),
             )
             self._wait_op(op)
         qr_name = f"{parent}/queuedResources/{name}"
@@ -305,6 +333,18 @@ class GcpSliceProvider:
                     f"spot request {name} still {state.name} after {timeout:.0f}s"
                 )
             self._sleep(self.settings.poll_s)
+
+    def _send_create(self, name: str, send: Callable[[], Any]) -> Any:
+        """`send()`, a create request for slice `name`. Interrupted before an answer (by
+        a signal's exception, not an API error), `name` stays marked for `delete`."""
+        self._unanswered.add(name)
+        try:
+            result = send()
+        except Exception:
+            self._unanswered.discard(name)  # answered: what it left is found by name
+            raise
+        self._unanswered.discard(name)
+        return result
 
     def _wait_ready(self, zone: str, name: str) -> SliceStatus:
         deadline = self._clock() + self.settings.provision_timeout_s

@@ -92,6 +92,8 @@ class TpuSettings:
         provision_attempts: create attempts per zone on quota/capacity errors.
         max_lifetime_s: lifetime written as the `ttl` label (epoch seconds).
         poll_s: seconds between polls of operations, nodes and queued resources.
+        late_create_s: how long a delete watches for the slice of a create request that
+            was interrupted before its answer (a signal), which the API may still carry out.
         backoff_s: first wait after a quota/capacity error; doubles up to 10 minutes.
     """
 
@@ -111,6 +113,7 @@ class TpuSettings:
     provision_attempts: int = 3
     max_lifetime_s: float = 86400.0
     poll_s: float = 5.0
+    late_create_s: float = 30.0
     backoff_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
 

@@ -3,6 +3,9 @@ errors on any call, create operations that fail, permanent errors on a create.""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import pytest
 from google.api_core import exceptions as gexc
 
@@ -138,3 +141,50 @@ def test_an_operation_that_never_finishes_is_an_error_naming_the_slice(fake_tpu)
         provider.delete("tpupipe-r1")
     with pytest.raises(SliceError, match=r"'tpupipe-r2'.*slice.provision_timeout_s"):
         provider.create(spec("tpupipe-r2"))
+
+
+def interrupt_when_a_create_arrives(fake) -> None:
+    """Ctrl-C (SIGINT) in this thread once the fake holds a create request in flight."""
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if fake.create_arrived.wait(30):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+
+
+@pytest.mark.parametrize("capacity", ["on-demand", "spot"])
+def test_a_create_interrupted_in_flight_is_deleted_when_it_lands_after_the_delete(
+    fake_tpu, capacity
+):
+    # A signal while the create request is in flight: the run's teardown deletes at once,
+    # finds nothing, and the API carries the request out a moment later. That slice would
+    # have run, billed, until a reaper saw its ttl.
+    fake, host = fake_tpu
+    fake.hold_creates = threading.Event()
+    provider = make_provider(host, capacity=capacity)
+    interrupt_when_a_create_arrives(fake)
+    with pytest.raises(KeyboardInterrupt):
+        provider.create(spec())
+    assert fake.nodes == {} and fake.queued == {}  # not carried out yet
+    threading.Timer(0.3, fake.hold_creates.set).start()
+    assert provider.delete("tpupipe-r1") is True
+    assert fake.nodes == {} and fake.queued == {} and sum(fake.creates.values()) <= 1
+    # Answered creates are not watched for: a delete of nothing returns at once.
+    fake.hold_creates = None
+    assert provider.delete("tpupipe-r1") is False
+
+
+def test_an_interrupted_create_that_never_lands_is_watched_for_late_create_s(fake_tpu):
+    fake, host = fake_tpu
+    fake.hold_creates = threading.Event()  # never set while the delete watches
+    clock = FakeClock()
+    provider = make_provider(host, clock=clock, late_create_s=2.0)
+    interrupt_when_a_create_arrives(fake)
+    with pytest.raises(KeyboardInterrupt):
+        provider.create(spec())
+    started = clock.now
+    assert provider.delete("tpupipe-r1") is False
+    assert 2.0 <= clock.now - started <= 2.1
+    fake.hold_creates.set()
