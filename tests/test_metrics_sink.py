@@ -14,6 +14,7 @@ from infra.metrics import (
     DuckDBSink,
     EvalMetricRow,
     LandResult,
+    MetricsLocked,
     MetricsSink,
     RunRow,
     StepMetricRow,
@@ -245,6 +246,29 @@ def test_build_sink_and_waiting_for_another_process(tmp_path):
         sink.land(run_row(), steps(), [])  # waits for the other process's lock to go
     assert p.returncode == 0
     assert counts(sink) == (1, 5, 0)
+
+
+def test_a_file_held_open_past_the_timeout_names_the_process_and_what_to_do(tmp_path):
+    path = tmp_path / "m.duckdb"
+    DuckDBSink(path).ensure_tables()
+    holder = textwrap.dedent(f"""
+        import duckdb, sys
+        con = duckdb.connect({str(path)!r}, read_only=True)  # a notebook looking at it
+        print("open", flush=True)
+        sys.stdin.readline()
+    """)
+    with subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        assert p.stdout.readline().strip() == "open"
+        with pytest.raises(MetricsLocked) as err:
+            DuckDBSink(path, lock_timeout_s=0.3).land(run_row(), steps(), [])
+        p.stdin.write("\n")
+        p.stdin.flush()
+    msg = str(err.value)
+    assert str(path) in msg and f"process {p.pid} (" in msg
+    assert "run the same command again" in msg
+    assert counts(DuckDBSink(path)) == (0, 0, 0)
 
 
 def test_threads_landing_into_one_new_file_take_turns(tmp_path):

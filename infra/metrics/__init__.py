@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from infra.metrics.duckdb_sink import DuckDBSink
+from infra.metrics.duckdb_sink import DuckDBSink, MetricsLocked
 from infra.metrics.rows import (
     EvalMetricRow,
     LandResult,
@@ -19,6 +19,7 @@ __all__ = [
     "DuckDBSink",
     "EvalMetricRow",
     "LandResult",
+    "MetricsLocked",
     "MetricsSink",
     "RunRow",
     "StepMetricRow",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,10 @@ def create_table_sql(model: type[TableRow]) -> str:
     columns = [f"{c.name} {c.type}{'' if c.nullable else ' NOT NULL'}" for c in table_schema(model)]
     columns.append(f"PRIMARY KEY ({', '.join(model.primary_key)})")
     return f"CREATE TABLE IF NOT EXISTS {model.table} (\n  " + ",\n  ".join(columns) + "\n)"
+
+
+class MetricsLocked(RuntimeError):
+    """Another process kept the DuckDB file open past the sink's lock timeout."""
 
 
 _FILE_LOCKS: dict[str, threading.Lock] = {}
@@ -205,8 +210,10 @@ class DuckDBSink:
                 break
             except duckdb.IOException as e:
                 # Only the other-process file lock is worth waiting for; re-raise the rest.
-                if "lock" not in str(e).lower() or time.monotonic() >= deadline:
+                if "lock" not in str(e).lower():
                     raise
+                if time.monotonic() >= deadline:
+                    raise MetricsLocked(self._locked_message(str(e))) from e
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         try:
@@ -214,6 +221,17 @@ class DuckDBSink:
             yield con
         finally:
             con.close()
+
+    def _locked_message(self, error: str) -> str:
+        holder = re.search(r"held in (.+?) \(PID (\d+)\)", error)
+        who = f"process {holder[2]} ({holder[1]})" if holder else "another process"
+        return (
+            f"metrics database {self.path} is held open by {who} for over "
+            f"{self.lock_timeout_s:.0f} s: DuckDB lets one process at a time open a file "
+            "while another writes it, read-only connections too. Close that connection (a "
+            "notebook, a duckdb shell) and run the same command again: a run whose training "
+            "finished lands its metrics without training again"
+        )
 
     @classmethod
     def _create_tables(cls, con: duckdb.DuckDBPyConnection) -> None:
