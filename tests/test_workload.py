@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import signal
 import time
 
@@ -149,6 +150,25 @@ def test_a_kill_while_a_save_is_written_loses_at_most_the_bound(tmp_path, bound)
     seen = run.signal_at(attempt, 3 * every + 2, signal.SIGKILL)
     run.wait(attempt)
     assert 0 <= seen - checkpoint.latest_step(str(run.run_dir)) <= (bound or every)
+
+
+def test_a_host_whose_checkpoint_write_fails_ends_the_attempt_with_the_error(tmp_path):
+    # Host 1 alone cannot write files past 64 KB (a full disk, a quota): its part of step
+    # 5's save fails. Orbax's hosts then waited for each other at barriers, silent, for 20
+    # minutes; the orchestrator took it for a preemption, and every attempt did the same.
+    steps = ("train.steps=30", "train.checkpoint_every=5")
+    run = WorkloadRun(tmp_path, "slice.hosts=2", *EXACT, *steps)
+    attempt = run.start()
+    registry = run.provider.registry_dir / f"{attempt}.json"
+    host1 = json.loads(registry.read_text())["pids"][1]
+    resource.prlimit(host1, resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))  # before step 5
+    started = time.monotonic()
+    assert run.wait(attempt, timeout_s=120) == 1
+    assert time.monotonic() - started < 90
+    status = run.status()
+    assert status["phase"] == "failed"
+    assert status["error"].startswith("SaveFailed: saving checkpoint step 5 failed on host 1: ")
+    assert checkpoint.latest_step(str(run.run_dir)) is None  # nothing half-written is trusted
 
 
 def test_an_attempt_that_lost_its_lease_stops_without_writing(tmp_path):

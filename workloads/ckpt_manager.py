@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -25,6 +26,45 @@ class TrainingManager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         """Always False: see the class docstring."""
         return False
+
+    # A failure of this host's writes of the save under way, recorded by its finalize
+    # thread before that thread waits for the other hosts (`wait_until_finished`).
+    _write_failure: BaseException | None = None
+
+    def _wait_for_checkpointers(self) -> None:
+        # Orbax's finalize thread: waits for the background writes, raising their error.
+        try:
+            super()._wait_for_checkpointers()
+        except BaseException as exc:
+            self._write_failure = exc
+            raise
+
+    def wait_until_finished(self) -> None:
+        """Orbax's wait, except that a failure of this host's own writes raises at once.
+
+        Why: with several hosts, the finalize thread of a host whose write failed (a full
+        disk, a quota) then waits at a barrier for the other hosts, which wait at another
+        for its commit. Every host hung, silent, until the barrier's 20-minute timeout;
+        the orchestrator took the silence for a preemption and tried again, on every
+        attempt. Raised here, the host exits with the error and its slice ends at once.
+        The step is never committed: the finalize thread stopped before its commit.
+
+        Raises:
+            SaveFailed: this host's writes of the save under way failed.
+        """
+        finalize = self._finalize_thread.get()
+        while finalize is not None and finalize.is_alive():
+            if (failure := self._write_failure) is not None:
+                raise SaveFailed(
+                    f"saving checkpoint step {finalize.step()} failed on host "
+                    f"{jax.process_index()}: {type(failure).__name__}: {failure}"
+                ) from failure
+            finalize.join(0.05)
+        super().wait_until_finished()
+
+
+class SaveFailed(RuntimeError):
+    """This host's background writes of a checkpoint failed."""
 
 
 class OldestFirstManager(TrainingManager):

@@ -54,7 +54,11 @@ class PreemptionNotice:
     Alone, a process decides by itself. With several hosts every host must save the same
     step (a checkpoint save is collective), so once `jax.distributed` has started, JAX's
     preemption service owns SIGTERM (it replaces our handler) and agrees with the other
-    hosts on the step to stop at: the step after the furthest host's current one.
+    hosts on the step to stop at: one past the furthest step any host has reported once
+    the notice has reached them all. That takes the service about a second (with tiny
+    steps of 0.15 s on 2 local hosts, a notice at step N stopped them at N+4 to N+8),
+    spent from the preemption's grace period; the step it stops at is saved, so no step
+    is lost.
     """
 
     def __init__(self) -> None:
@@ -311,7 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         RunDir(wcfg.run_dir).write_status("failed", error=error)
         EventLog.from_env(wcfg.run_dir).emit("failed", error=error)
         log.exception("training failed")
+        if notice.across_hosts:
+            _exit_now(1)
         return 1
+
+
+def _exit_now(code: int) -> None:
+    """End this host's process now, skipping the interpreter's exit: it joins a checkpoint
+    save's threads and shuts `jax.distributed` down, both waiting at barriers for hosts
+    that may be stuck waiting for this one (a save that failed here only). Exiting, it
+    ends the slice: the provider reports a host's failure at once."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
