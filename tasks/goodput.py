@@ -23,6 +23,7 @@ timeline is drawn from it); `compute_goodput` adds them up.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -90,7 +91,10 @@ class AttemptTimeline:
 
 def read_events(path: str | os.PathLike) -> list[dict]:
     """Events in file order; a torn last line (a writer killed mid-line) is skipped, as
-    is any line that is not JSON (bytes that are not UTF-8 included)."""
+    is any line that is not JSON (bytes that are not UTF-8 included) or not an event as
+    `EventLog` writes one: an object with a numeric `time`, a string `event` and an
+    integer `attempt` if any. The ledger orders and groups events by those, and a line
+    without them (hand-edited, another tool's) failed the run's landing with a KeyError."""
     events = []
     try:
         lines = epath.Path(path).read_bytes().decode("utf-8", "replace").splitlines()
@@ -98,10 +102,21 @@ def read_events(path: str | os.PathLike) -> list[dict]:
         return []
     for line in lines:
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if _is_event(event):
+            events.append(event)
     return events
+
+
+def _is_event(event: object) -> bool:
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    when, attempt = event.get("time"), event.get("attempt", 0)
+    if not isinstance(when, int | float) or isinstance(when, bool) or not math.isfinite(when):
+        return False
+    return isinstance(attempt, int) and not isinstance(attempt, bool)
 
 
 def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:

@@ -8,6 +8,7 @@ peak is what one device's matmul reaches, whatever the device count.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -92,7 +93,11 @@ def slice_peak(compute_dtype: str, remembered: dict | None = None) -> Peak:
         if peak is not None:
             return peak
     if remembered and remembered.get("source") == f"measured:{compute_dtype} matmul":
-        return Peak(float(remembered["flops_per_s"]), remembered["source"])
+        flops = remembered.get("flops_per_s")
+        # `peak.json` is only a cache: a value that is not a positive number is measured
+        # again, never a failed attempt.
+        if isinstance(flops, int | float) and math.isfinite(flops) and flops > 0:
+            return Peak(float(flops), remembered["source"])
     return measure_matmul_peak(compute_dtype)
 
 

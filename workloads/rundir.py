@@ -8,6 +8,7 @@ half a file) and appends `metrics.jsonl`; the orchestrator reads both. Paths are
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -19,6 +20,13 @@ STATUS = "status.json"
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 EVAL = "eval.json"
+
+log = logging.getLogger(__name__)
+
+
+class UnreadableFile(ValueError):
+    """A run-directory file exists but is not the JSON object it must hold (torn, garbage,
+    not UTF-8, edited by hand); the message names the file."""
 
 
 def append_lines(path: os.PathLike, lines: str) -> None:
@@ -54,23 +62,46 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def read_json(path: epath.Path, attempts: int = 5) -> dict[str, Any] | None:
+def read_json(
+    path: epath.Path, attempts: int = 5, *, unreadable_as_missing: bool = False
+) -> dict[str, Any] | None:
     """The parsed file, or None if it does not exist (yet).
 
     On gs:// a read racing a rewrite can come back cut short: gcsfs takes the object's
     size from one request (possibly cached) and its bytes from another, so the old size
     with the new, longer content is a torn text. Writers replace whole objects, so reading
     again gets a whole one.
+
+    Args:
+        path: The file.
+        attempts: Reads of a gs:// object before a torn one counts as unreadable.
+        unreadable_as_missing: For a file that is only a cache or is rewritten before it
+            is read for anything that matters (`peak.json`, the heartbeat): an unreadable
+            one is logged as a warning naming it and read as absent. Otherwise it raises,
+            so a file whose content matters never passes for a missing one.
+
+    Raises:
+        UnreadableFile: the file is not a JSON object, naming it (unless
+            `unreadable_as_missing`).
     """
     for attempt in range(attempts):
         try:
-            return json.loads(path.read_text())
+            value = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except json.JSONDecodeError:
-            if not str(path).startswith("gs://") or attempt == attempts - 1:
-                raise
-            time.sleep(0.05 * (attempt + 1))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            if str(path).startswith("gs://") and attempt < attempts - 1:
+                time.sleep(0.05 * (attempt + 1))
+                continue
+            problem = f"not valid JSON ({exc})"
+        else:
+            if isinstance(value, dict):
+                return value
+            problem = f"holds a JSON {type(value).__name__}, not an object"
+        if unreadable_as_missing:
+            log.warning("%s: %s; read as absent (it is rewritten)", path, problem)
+            return None
+        raise UnreadableFile(f"{path}: {problem}")
     return None
 
 
@@ -87,6 +118,7 @@ class RunDir:
     def __init__(self, path: str | os.PathLike, clock=time.time):
         self.path = epath.Path(path)
         self._clock = clock
+        self._warned_status = False  # the watch reads the heartbeat every poll: warn once
 
     def write_status(self, phase: str, **fields: Any) -> None:
         """Replace the heartbeat: phase (starting, training, saving, finished, failed,
@@ -95,8 +127,19 @@ class RunDir:
         write_json_atomic(self.path / STATUS, payload)
 
     def read_status(self) -> dict[str, Any] | None:
-        """The latest heartbeat, or None before the workload wrote one."""
-        return read_json(self.path / STATUS)
+        """The latest heartbeat, or None before the workload wrote one.
+
+        An unreadable `status.json` (an edit, a disk that filled) is read as none: the
+        workload rewrites it as it starts. Raising here made every rerun provision a slice
+        and then fail watching it, naming no file.
+        """
+        try:
+            return read_json(self.path / STATUS)
+        except UnreadableFile as exc:
+            if not self._warned_status:
+                log.warning("%s; read as no heartbeat (the workload rewrites it)", exc)
+                self._warned_status = True
+            return None
 
     def append_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Append step metrics, one JSON object a line, flushed before returning."""
@@ -113,14 +156,22 @@ class RunDir:
         append_lines(path, lines)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """Every complete metrics line; a torn last line (killed mid-write) is skipped."""
+        """Every complete metrics row; a torn last line (killed mid-write) is skipped, as
+        is any line that is not a row the workload writes (not JSON, not UTF-8, or not an
+        object with an integer `step`): landing keys every row by its step."""
         path = self.path / METRICS
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().decode("utf-8", "replace").splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(row, dict) and _is_int(row.get("step")):
+                rows.append(row)
         return rows
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -195,7 +195,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         report.event("restored", step=start, seconds=time.perf_counter() - restore_started)
         log.info("resumed from step %d", start)
     peak_file = epath.Path(wcfg.run_dir) / "peak.json"
-    peak = slice_peak(cfg.model.dtype, read_json(peak_file))
+    peak = slice_peak(cfg.model.dtype, read_json(peak_file, unreadable_as_missing=True))
     if report.primary:
         write_json_atomic(peak_file, {"flops_per_s": peak.flops_per_s, "source": peak.source})
     window = MetricsWindow(
