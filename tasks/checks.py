@@ -6,16 +6,18 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tasks.plan import RunPlan
-from workloads import checkpoint, evaluate
+from workloads import checkpoint, config_file, evaluate
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.rundir import CONFIG
 
 
 def load_workload_config(plan: RunPlan) -> WorkloadConfig:
-    """The resolved config the workload trained with."""
-    from etils import epath
+    """The resolved config the workload trained with.
 
-    return WorkloadConfig.model_validate_json((epath.Path(plan.run_dir) / CONFIG).read_text())
+    Raises:
+        ConfigError: naming the file if it does not read as a workload config.
+    """
+    return config_file.load_workload_config(f"{plan.run_dir}/{CONFIG}")
 
 
 @task(name="verify-checkpoint", cache_policy=NONE)

@@ -14,7 +14,7 @@ from etils import epath
 from pydantic import BaseModel, Field
 
 from workloads.config import PipelineConfig, WorkloadConfig, training_fields
-from workloads.config_file import ConfigError
+from workloads.config_file import ConfigError, load_workload_config
 from workloads.data import same_records
 from workloads.manifest import load_manifest
 from workloads.rundir import CONFIG, write_json_atomic
@@ -193,10 +193,23 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
 
 
 def _stored_config(plan: RunPlan) -> WorkloadConfig | None:
+    """The config.json an earlier invocation of the run wrote, or None for a new run.
+
+    Raises:
+        ConfigError: naming the file when it does not read as a workload config (torn,
+            not UTF-8, edited): a rerun cannot be checked against it, and treating it as
+            absent would let one train something else over the run's checkpoints.
+    """
     path = epath.Path(plan.run_dir) / CONFIG
     if not path.exists():
         return None
-    return WorkloadConfig.model_validate_json(path.read_text())
+    try:
+        return load_workload_config(os.fspath(path))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}; it records what run {plan.run_name!r} trained, which a rerun must "
+            "match: restore it, or choose a new run_name"
+        ) from None
 
 
 def _diff(old: dict, new: dict, prefix: str = ""):

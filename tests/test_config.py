@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,27 @@ def test_a_run_keeps_the_hash_its_checkpoints_carry(tmp_path):
     old = plan_run(cfg).model_copy(update={"config_hash": "older-hash"})
     write_workload_config(cfg, old, str(tmp_path / "data"))
     assert check_resumable(cfg, plan_run(cfg)).config_hash == "older-hash"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [lambda p: p.write_text(p.read_text()[:1000]), lambda p: p.write_bytes(b"\xff\xfe not json")],
+    ids=["torn", "not-utf8"],
+)
+def test_a_corrupt_stored_config_is_refused_naming_the_file_with_exit_2(tmp_path, capsys, corrupt):
+    # It gave a pydantic ValidationError or a UnicodeDecodeError naming no file, and
+    # `tpupipe validate` crashed with exit 1 instead of exit 2 (bad input).
+    path = write(tmp_path, f"run_name: r\nstorage: {{root: {tmp_path / 'root'}}}\n")
+    cfg = load_config(path)
+    plan = plan_run(cfg)
+    stored = Path(write_workload_config(cfg, plan, str(tmp_path / "data")))
+    corrupt(stored)
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(stored))}: .*restore it, or choose a new run_name"
+    ):
+        check_resumable(cfg, plan_run(cfg))
+    assert cli_main(["validate", "--config", str(path)]) == 2
+    assert str(stored) in capsys.readouterr().err
 
 
 def test_padded_vocab():
