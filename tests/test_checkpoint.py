@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +144,75 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(
     assert "does not restore" in (moved / "QUARANTINED.txt").read_text()
     # A second attempt resumes from the same place: no crash loop on the bad step.
     assert _restore_newest(tmp_path, state.arrays)[0] == 5
+
+
+def _checkpoints_on_another_filesystem(monkeypatch, run_dir):
+    """os.rename fails with EXDEV between `checkpoints/` and the rest of the run directory,
+    as with `checkpoints/` a symlink to another mount (mounting needs root in a test)."""
+    real_rename, mount = os.rename, str(run_dir / "checkpoints") + os.sep
+
+    def rename(src, dst, *args, **kwargs):
+        if str(src).startswith(mount) != str(dst).startswith(mount):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src), None, str(dst))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def test_a_bad_checkpoint_on_another_filesystem_is_quarantined(tmp_path, state, monkeypatch):
+    # Every rerun failed with `OSError: [Errno 18] Invalid cross-device link` on the step.
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+    files = sorted(
+        str(p.relative_to(tmp_path / "checkpoints" / "10"))
+        for p in (tmp_path / "checkpoints" / "10").rglob("*")
+    )
+    cut_checkpoint_data(tmp_path / "checkpoints" / "10" / "state")
+    _checkpoints_on_another_filesystem(monkeypatch, tmp_path)
+
+    assert _restore_newest(tmp_path, state.arrays)[0] == 5
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    assert moved.name.startswith("10-")
+    assert "does not restore" in (moved / "QUARANTINED.txt").read_text()
+    copied = sorted(str(p.relative_to(moved)) for p in moved.rglob("*"))
+    assert copied == sorted([*files, "QUARANTINED.txt"])  # moved whole, nothing lost
+
+
+def test_a_cross_filesystem_quarantine_cut_short_leaves_no_half_checkpoint(
+    tmp_path, state, monkeypatch
+):
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+    cut_checkpoint_data(tmp_path / "checkpoints" / "10" / "state")
+    _checkpoints_on_another_filesystem(monkeypatch, tmp_path)
+    real_copyfile, copied = shutil.copyfile, []
+
+    def copyfile_then_die(src, dst, **kwargs):  # the orchestrator killed mid-copy
+        if copied:
+            raise KeyboardInterrupt
+        copied.append(src)
+        return real_copyfile(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.quarantine(str(tmp_path), 10, "bad")
+    # The half copy is hidden, never a quarantined step; the step is still whole.
+    assert not [p for p in (tmp_path / "quarantine").iterdir() if not p.name.startswith(".")]
+    assert checkpoint.latest_step(str(tmp_path)) == 10
+
+    monkeypatch.setattr(shutil, "copyfile", real_copyfile)
+    assert _restore_newest(tmp_path, state.arrays)[0] == 5  # the next run moves it
+    assert [p.name[:3] for p in (tmp_path / "quarantine").iterdir()] == ["10-"]
+
+
+def test_a_step_moved_out_of_checkpoints_but_not_yet_deleted_is_no_step(tmp_path, state):
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+    source = tmp_path / "checkpoints" / "10"
+    source.rename(source.with_name(".10.quarantined-10-123"))  # a deletion cut short
+    assert checkpoint.latest_step(str(tmp_path)) == 5
+    assert checkpoint.committed_steps(str(tmp_path)) == [5]
 
 
 def test_non_finite_or_foreign_checkpoints_are_never_resumed(tmp_path, state, bad_saves_allowed):

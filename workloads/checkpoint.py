@@ -9,8 +9,11 @@ temporary name and commits it atomically; `latest_step` only reports committed s
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -174,8 +177,14 @@ def quarantine(run_dir: str, step: int, reason: str) -> epath.Path:
     target = epath.Path(run_dir) / "quarantine" / f"{step}-{int(time.time())}"
     if "://" not in str(run_dir):
         target.parent.mkdir(parents=True, exist_ok=True)
-        source.rename(target)  # atomic
-        (target / QUARANTINED).write_text(reason + "\n")
+        try:
+            os.rename(source, target)  # atomic
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            _move_across_filesystems(source, target, reason)
+        else:
+            (target / QUARANTINED).write_text(reason + "\n")
     else:
         # GCS has no folders: a folder exists once an object is in it (moving a step to a
         # quarantine/ that did not exist failed, and every rerun failed on the same step),
@@ -186,6 +195,31 @@ def quarantine(run_dir: str, step: int, reason: str) -> epath.Path:
             child.rename(target / child.name)
     log.warning("checkpoint step %d quarantined to %s: %s", step, target, reason)
     return target
+
+
+def _move_across_filesystems(source: epath.Path, target: epath.Path, reason: str) -> None:
+    """Move a step's folder to `target` on another filesystem (`checkpoints/` a symlink to
+    another mount made every rename fail with EXDEV, so the bad step was never moved and
+    every rerun failed on it), so that no moment shows half a checkpoint as a whole one.
+
+    The copy, with its reason, is made under a hidden name beside `target` and renamed to
+    it once whole: a copy cut short is never a quarantined step, and the step stays whole
+    in `checkpoints/`, quarantined again by the next run. Only then is the step renamed
+    out of `checkpoints/` (on its own filesystem: atomic) to a hidden name orbax counts
+    as no step, and deleted there: a deletion cut short leaves that folder, never a step.
+    """
+    for stale in target.parent.glob(f".{source.name}-*.partial"):  # copies cut short
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.copytree(source, partial, symlinks=True)
+    (partial / QUARANTINED).write_text(reason + "\n")
+    os.rename(partial, target)
+    moved_out = source.with_name(f".{source.name}.quarantined-{target.name}")
+    os.rename(source, moved_out)
+    try:
+        shutil.rmtree(moved_out)
+    except OSError as exc:  # the step is out of checkpoints/ and copied: nothing is at risk
+        log.warning("could not delete %s, a copy of %s: %s", moved_out, target, exc)
 
 
 def restore_error(exc: BaseException) -> str:
