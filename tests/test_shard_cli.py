@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import re
 from pathlib import Path
 
 from flows.cli import main
@@ -118,3 +120,34 @@ def test_a_worker_that_dies_exits_3_with_one_line(tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert "sharding failed: a sharding worker process died (out of memory?); run again" in err
     assert "Traceback" not in err
+
+
+class _FullDisk:
+    """A spill file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, path):
+        self.name = path
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        pass
+
+
+def test_a_full_disk_while_tokenizing_names_the_spill_file(tmp_path, capsys, monkeypatch):
+    # It gave a raw traceback ending in an OSError naming no file, exit 1 (writing shards
+    # on a full disk names the shard).
+    from workloads import packing
+
+    corpus = make_corpus(tmp_path)
+    monkeypatch.setattr(packing, "open", lambda path, mode: _FullDisk(path), raising=False)
+    argv = ["shard", "--source", str(corpus), "--out", str(tmp_path / "ds"), "--seq-len", "16"]
+    assert main([*argv, "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(
+        r"sharding failed: cannot write the tokenize spill file \S+/unit-00000\.\w+\.tmp: "
+        r"No space left on device\n",
+        err,
+    ), err

@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +105,10 @@ def tokenize_unit(job: UnitJob) -> dict:
     # tokenizer fails on.
     origin: dict[str, list[tuple[str, int]]] = {s: [] for s in SPLITS}
     pending_bytes = dict.fromkeys(SPLITS, 0)
-    outs = {s: open(job.path(f"{s}.tmp"), "wb") for s in SPLITS}  # noqa: SIM115
+    outs = {}
+    for s in SPLITS:
+        with spill_errors(job.path(f"{s}.tmp")):
+            outs[s] = open(job.path(f"{s}.tmp"), "wb")  # noqa: SIM115
 
     def flush(split: str) -> None:
         try:
@@ -112,7 +117,8 @@ def tokenize_unit(job: UnitJob) -> dict:
             uri, n = origin[split][exc.index]
             place = uri if job.read.whole_files(uri) else f"{uri}: document {n + 1}"
             raise DatasetError(f"{place}: {exc}") from None
-        outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
+        with spill_errors(job.path(f"{split}.tmp")):
+            outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
         st = stats[split]
         st["tokens"] += len(ids)
         st["last_tokens"], st["last_bytes"] = last, len(pending[split][-1])
@@ -145,15 +151,33 @@ def tokenize_unit(job: UnitJob) -> dict:
             if pending[split]:
                 flush(split)
     finally:
-        for fh in outs.values():
-            fh.close()
+        for split, fh in outs.items():
+            with spill_errors(job.path(f"{split}.tmp")):
+                fh.close()  # flushes the buffer's last bytes: a full disk says so here
     for split in SPLITS:  # a crash between renames leaves no summary, so nothing is trusted
-        os.replace(job.path(f"{split}.tmp"), job.path(split))
+        with spill_errors(job.path(split)):
+            os.replace(job.path(f"{split}.tmp"), job.path(split))
     meta = {"identity": job.identity(), **stats}
     tmp = job.path("json.tmp")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, job.path("json"))
+    with spill_errors(tmp):
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, job.path("json"))
     return meta
+
+
+@contextmanager
+def spill_errors(path: Path) -> Iterator[None]:
+    """Raise an OSError writing a tokenize spill file as a DatasetError naming the file.
+
+    A full disk (ENOSPC) here gave a raw traceback and an OSError naming no path, where
+    the same error writing a shard names it; `tpupipe shard` prints a DatasetError as one
+    line.
+    """
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise DatasetError(f"cannot write the tokenize spill file {path}: {reason}") from None
 
 
 def prefetch(files: tuple[SourceFile, ...]) -> None:
