@@ -127,7 +127,9 @@ def write_loss_curve(run_dir: str) -> str | None:
     fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="tight")
     ax = fig.add_subplot()
     ax.plot([m["step"] for m in rows], [m["loss"] for m in rows], label="train loss")
-    evaluation = read_json(epath.Path(run_dir) / EVAL) or {}
+    # The eval point only decorates the plot: an unreadable eval.json (a failed run's, left
+    # from before) must not fail the landing that draws it.
+    evaluation = read_json(epath.Path(run_dir) / EVAL, unreadable_as_missing=True) or {}
     if evaluation.get("loss") is not None:
         ax.scatter(
             [evaluation["step"]],

@@ -115,7 +115,8 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         ledger=ledger,
         price=price,
         metrics=RunDir(run_dir).read_metrics(),
-        evaluation=read_json(epath.Path(run_dir) / EVAL),
+        # Damaged, it is left out with a warning naming it, as a damaged config.json is.
+        evaluation=read_json(epath.Path(run_dir) / EVAL, unreadable_as_missing=True),
     )
 
 

@@ -119,3 +119,10 @@ def test_loss_curve_is_a_png_of_the_logged_steps(tmp_path):
 )
 def test_loss_curve_link(path, expected):
     assert loss_curve_link(path).startswith(expected)
+
+
+def test_an_unreadable_eval_json_leaves_the_eval_point_off_the_loss_curve(tmp_path):
+    run = RunDir(tmp_path)
+    run.append_metrics([{"step": s, "loss": 5.0 / s} for s in range(1, 5)])
+    (tmp_path / "eval.json").write_text('{"step": 4, "lo')  # a failed run's, torn
+    assert write_loss_curve(str(tmp_path)) == str(tmp_path / "loss_curve.png")

@@ -105,6 +105,15 @@ def test_unknown_run_exits_non_zero_naming_the_runs_there(tmp_path, capsys):
     assert cli_main(["report", "three", "--set", "cost.region=us-east1"]) == 2  # no --config
 
 
+def test_an_unreadable_eval_json_is_left_out_of_the_report_with_a_warning(tmp_path, capsys, caplog):
+    # It gave a JSONDecodeError traceback naming no file.
+    run_dir = fake_run(tmp_path)
+    (run_dir / "eval.json").write_text('{"torn')
+    assert cli_main(["report", "three", "--root", str(tmp_path), "--no-png"]) == 0
+    assert "run three:" in capsys.readouterr().out
+    assert f"{run_dir / 'eval.json'}: not valid JSON" in caplog.text
+
+
 def test_the_ledger_lands_in_the_runs_row_and_the_summary(tmp_path):
     run_dir = fake_run(tmp_path, "cost.usd_per_chip_hour=2.0")
     config = tiny_config(tmp_path, "run_name=three", "cost.usd_per_chip_hour=2.0")
