@@ -151,3 +151,35 @@ def test_a_full_disk_while_tokenizing_names_the_spill_file(tmp_path, capsys, mon
         r"No space left on device\n",
         err,
     ), err
+
+
+class _FullDiskWriter:
+    """The ArrayRecord writer on a full disk, failing as the real one does."""
+
+    def __init__(self, path, options):
+        self.path = path
+
+    def write(self, record):
+        raise RuntimeError(f"write() failed: No space left on device; writing {self.path}")
+
+    def close(self):
+        pass
+
+
+def test_a_full_disk_while_writing_shards_names_the_shard(tmp_path, capsys, monkeypatch):
+    # The writer's RuntimeError went up as a raw traceback, exit 1.
+    from workloads import packing
+
+    corpus = make_corpus(tmp_path)
+    monkeypatch.setattr(packing, "ArrayRecordWriter", _FullDiskWriter)
+    out = tmp_path / "ds"
+    argv = ["shard", "--source", str(corpus), "--out", str(out), "--seq-len", "16"]
+    assert main([*argv, "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(
+        r"sharding failed: cannot write the shard \S+/\S*(train|eval)-00000\S*: write\(\) failed: "
+        r"No space left on device",
+        err,
+    ), err
+    assert not out.exists()  # the unfinished dataset is gone: nothing trusts it

@@ -107,7 +107,7 @@ def tokenize_unit(job: UnitJob) -> dict:
     pending_bytes = dict.fromkeys(SPLITS, 0)
     outs = {}
     for s in SPLITS:
-        with spill_errors(job.path(f"{s}.tmp")):
+        with write_errors(job.path(f"{s}.tmp")):
             outs[s] = open(job.path(f"{s}.tmp"), "wb")  # noqa: SIM115
 
     def flush(split: str) -> None:
@@ -117,7 +117,7 @@ def tokenize_unit(job: UnitJob) -> dict:
             uri, n = origin[split][exc.index]
             place = uri if job.read.whole_files(uri) else f"{uri}: document {n + 1}"
             raise DatasetError(f"{place}: {exc}") from None
-        with spill_errors(job.path(f"{split}.tmp")):
+        with write_errors(job.path(f"{split}.tmp")):
             outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
         st = stats[split]
         st["tokens"] += len(ids)
@@ -152,32 +152,33 @@ def tokenize_unit(job: UnitJob) -> dict:
                 flush(split)
     finally:
         for split, fh in outs.items():
-            with spill_errors(job.path(f"{split}.tmp")):
+            with write_errors(job.path(f"{split}.tmp")):
                 fh.close()  # flushes the buffer's last bytes: a full disk says so here
     for split in SPLITS:  # a crash between renames leaves no summary, so nothing is trusted
-        with spill_errors(job.path(split)):
+        with write_errors(job.path(split)):
             os.replace(job.path(f"{split}.tmp"), job.path(split))
     meta = {"identity": job.identity(), **stats}
     tmp = job.path("json.tmp")
-    with spill_errors(tmp):
+    with write_errors(tmp):
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, job.path("json"))
     return meta
 
 
 @contextmanager
-def spill_errors(path: Path) -> Iterator[None]:
-    """Raise an OSError writing a tokenize spill file as a DatasetError naming the file.
+def write_errors(path: Path, what: str = "the tokenize spill file") -> Iterator[None]:
+    """Raise an error writing a sharding output file as a DatasetError naming the file.
 
-    A full disk (ENOSPC) here gave a raw traceback and an OSError naming no path, where
-    the same error writing a shard names it; `tpupipe shard` prints a DatasetError as one
-    line.
+    A full disk (ENOSPC) gave a raw traceback: an OSError naming no path for a spill
+    file, the ArrayRecord writer's RuntimeError for a shard. `tpupipe shard` prints a
+    DatasetError as one line, and the run removes the dataset directory it could not
+    finish (freeing the disk it filled).
     """
     try:
         yield
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise DatasetError(f"cannot write the tokenize spill file {path}: {reason}") from None
+    except (OSError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise DatasetError(f"cannot write {what} {path}: {reason}") from None
 
 
 def prefetch(files: tuple[SourceFile, ...]) -> None:
@@ -283,9 +284,19 @@ def write_shard(job: ShardJob) -> dict:
     `records` counts sequences; the shard's ArrayRecord records hold
     `record_sequences` of them each, its last one the rest.
     """
-    dtype = np.dtype(job.dtype).newbyteorder("<")
     final = Path(job.directory) / job.name
     tmp = final.with_name(f"{TMP_PREFIX}{job.name}")
+    with write_errors(tmp, "the shard"):
+        _write_records(job, tmp)
+        start_writeback(tmp)
+        digest = file_sha256(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, final)
+    return {"name": job.name, "records": job.count, "bytes": size, "sha256": digest}
+
+
+def _write_records(job: ShardJob, tmp: Path) -> None:
+    dtype = np.dtype(job.dtype).newbyteorder("<")
     per = record_sequences(job.seq_len, job.dtype)
     writer = ArrayRecordWriter(str(tmp), writer_options())
     try:
@@ -303,8 +314,3 @@ def write_shard(job: ShardJob) -> dict:
             deque(map(writer.write, records), 0)
     finally:
         writer.close()
-    start_writeback(tmp)
-    digest = file_sha256(tmp)
-    size = tmp.stat().st_size
-    os.replace(tmp, final)
-    return {"name": job.name, "records": job.count, "bytes": size, "sha256": digest}
