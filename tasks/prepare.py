@@ -11,6 +11,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
+from infra.metrics.duckdb_file import database_file_problem
 from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
@@ -145,36 +146,66 @@ def _resolve(dataset, out_root: str, remote: bool) -> tuple[list, str | None]:
 
 
 def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
-    """The local directories a run creates can be created, and the DuckDB file is a file.
+    """The local directories a run creates can be created, and the DuckDB file is a file
+    DuckDB can open (or is not there yet).
 
-    A storage root below a regular file, or in a directory this user cannot write, failed
-    the run only at its lock (exit 1), and a `metrics.path` naming a directory only when
-    landing, after the whole training run.
+    Each of these passed validation and failed the run later: a storage root below a
+    regular file or in a directory this user cannot write at its lock (exit 1), a storage
+    root that is a symlink to a missing target (an unmounted disk) with a bare "File
+    exists", and a `metrics.path` naming a directory or a file that is not a DuckDB
+    database (a 0-byte stub a create on a full disk left) only when landing, after the
+    whole training run.
 
     Raises:
         ConfigError: naming the field, its value and the path in the way.
     """
     places = [("storage.root", config.storage.root, plan.slices_root)]
     if config.metrics.sink == "duckdb":
-        if os.path.isdir(plan.metrics_path):
-            raise ConfigError(
-                f"metrics.path = {config.metrics.path or plan.metrics_path!r} is a "
-                "directory; give the DuckDB file's path, e.g. <dir>/metrics.duckdb"
-            )
+        _check_metrics_file(config.metrics.path or plan.metrics_path, plan.metrics_path)
         field = "metrics.path" if config.metrics.path else "storage.root"
         value = config.metrics.path or config.storage.root
         places.append((field, value, os.path.dirname(plan.metrics_path)))
     for field, value, path in places:
-        existing = path
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            problem = f"{existing} is not a directory"
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            problem = f"{existing} is not writable"
-        else:
-            continue
-        raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
+        problem = _cannot_create(path)
+        if problem:
+            raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
+
+
+def _check_metrics_file(value: str, path: str) -> None:
+    """Refuse an existing `metrics.path` (`value`, at absolute `path`) DuckDB cannot use."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
+            "e.g. <dir>/metrics.duckdb"
+        )
+    if os.path.islink(path) and not os.path.exists(path):
+        target = os.readlink(path)
+        problem = f"it is a symlink to {target}, which does not exist: is its disk mounted?"
+    elif os.path.exists(path):
+        problem = database_file_problem(path)
+    else:
+        return  # created on first use
+    if problem:
+        raise ConfigError(
+            f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"
+        )
+
+
+def _cannot_create(path: str) -> str | None:
+    """Why the directory `path` cannot be created (or used, if it exists), or None."""
+    existing = path
+    # lexists, not exists: a symlink to a missing target (an unmounted disk) is in the way
+    # of creating the directory, where exists() walked past it to its writable parent.
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        target = os.readlink(existing)
+        return f"{existing} is a symlink to {target}, which does not exist: is its disk mounted?"
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 @task(name="validate-config", cache_policy=NONE)

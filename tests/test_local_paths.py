@@ -1,0 +1,102 @@
+"""Local paths a run writes (its storage root, its DuckDB metrics file) are checked before
+anything is provisioned: each case here passed `tpupipe validate` and the validate stage,
+and the run failed later, at its lock or after the whole training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main as cli_main
+from infra.metrics import DuckDBSink
+from tasks.plan import plan_run
+from tasks.prepare import check_inputs, check_local_paths
+from tests.helpers import REPO, tiny_config
+from workloads.config_file import ConfigError
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _database_head(tmp_path: Path, size: int) -> bytes:
+    """The first `size` bytes of a real metrics database: what a create that ran out of
+    disk after its first header write left (a 4 KB stub whose magic bytes are right)."""
+    real = tmp_path / "real.duckdb"
+    DuckDBSink(real).ensure_tables()
+    return real.read_bytes()[:size]
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"", "it is empty (0 bytes), as a create that failed on a full disk leaves it"),
+        (b"notes about the runs\n", "it has no 'DUCK' at byte 8, so it is some other file"),
+        (4096, "it has 4096 bytes, fewer than DuckDB's 12288-byte headers"),
+    ],
+    ids=["empty", "text", "4kb-stub"],
+)
+def test_a_metrics_file_that_is_not_a_duckdb_database_is_refused(tmp_path, content, said):
+    """It passed validation, and every run (every sweep trial) trained, evaluated and then
+    failed landing: "... exists, but it is not a valid DuckDB database file!"."""
+    path = tmp_path / "m.duckdb"
+    path.write_bytes(_database_head(tmp_path, content) if isinstance(content, int) else content)
+    config = tiny_config(tmp_path / "root", f"metrics.path={path}", "dataset.max_bytes=20000")
+    with pytest.raises(ConfigError) as err:
+        check_inputs(config, plan_run(config))  # what the validate stage runs, before a slice
+    message = str(err.value)
+    assert f"metrics.path = {str(path)!r}: {path} is not a usable DuckDB database" in message
+    assert said in message
+
+
+def test_validate_exits_2_for_a_metrics_stub_and_passes_the_database_it_becomes(tmp_path, capsys):
+    path = tmp_path / "m.duckdb"
+    path.touch()  # DuckDB's first connect on a full disk leaves this
+    args = ["validate", "--config", TINY, "--set", f"storage.root={tmp_path / 'root'}"]
+    assert cli_main([*args, "--set", f"metrics.path={path}"]) == 2
+    assert "0 bytes" in capsys.readouterr().err and path.stat().st_size == 0  # not touched
+    path.unlink()
+    DuckDBSink(path).ensure_tables()
+    assert cli_main([*args, "--set", f"metrics.path={path}"]) == 0
+
+
+@pytest.mark.parametrize(
+    "field, under_link",
+    [("storage.root", ""), ("metrics.path", "/m.duckdb"), ("metrics.path", "")],
+    ids=["storage-root", "metrics-directory", "metrics-file"],
+)
+def test_a_path_through_a_symlink_to_a_missing_disk_is_refused(tmp_path, field, under_link):
+    """A storage root that is a symlink to an unmounted disk passed validation (the walk up
+    to an existing directory went past the link) and the run failed with a bare
+    `FileExistsError: File exists`; a metrics.path there failed only when landing."""
+    link = tmp_path / "bigdisk"
+    target = tmp_path / "mnt" / "bigdisk"  # not mounted: nothing there
+    link.symlink_to(target)
+    value = f"{link}{under_link}"
+    config = tiny_config(tmp_path / "root", f"{field}={value}")
+    with pytest.raises(ConfigError) as err:
+        check_local_paths(config, plan_run(config))
+    message = str(err.value)
+    assert message.startswith(f"{field} = {value!r}: ")
+    assert f"symlink to {target}, which does not exist: is its disk mounted?" in message
+
+
+def test_validate_exits_2_for_a_dangling_storage_root(tmp_path, capsys, monkeypatch):
+    """/tmp/probe-res/dangling_root.sh: a relative root, as a user types it."""
+    monkeypatch.chdir(tmp_path)
+    Path("dangling").symlink_to("/nonexistent/bigdisk")
+    assert cli_main(["validate", "--config", TINY, "--set", "storage.root=dangling"]) == 2
+    err = capsys.readouterr().err
+    assert "storage.root = 'dangling'" in err and "symlink to /nonexistent/bigdisk" in err
+
+
+def test_a_metrics_database_and_usable_symlinks_pass(tmp_path):
+    """The checks refuse only what would fail: a real database (read by its header, not
+    opened, so a run holding it open does not matter) and links to existing places."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "root").symlink_to(disk)
+    DuckDBSink(disk / "real.duckdb").ensure_tables()
+    (tmp_path / "m.duckdb").symlink_to(disk / "real.duckdb")
+    for metrics in (disk / "real.duckdb", tmp_path / "m.duckdb", tmp_path / "new" / "m.duckdb"):
+        config = tiny_config(tmp_path / "root", f"metrics.path={metrics}")
+        check_local_paths(config, plan_run(config))
