@@ -184,7 +184,7 @@ def _check_metrics_file(value: str, path: str) -> None:
     elif os.path.exists(path):
         problem = database_file_problem(path)
     else:
-        return  # created on first use
+        return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
     if problem:
         raise ConfigError(
             f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ from infra.metrics import (
     build_sink,
     table_schema,
 )
+from tests.helpers import REPO
 
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -282,3 +285,63 @@ def test_threads_landing_into_one_new_file_take_turns(tmp_path):
         with ThreadPoolExecutor(len(names)) as pool:
             list(pool.map(lambda n, s=sink: s.land(run_row(n), steps(n), evals(n)), names))
         assert counts(sink) == (6, 30, 6)
+
+
+@pytest.mark.parametrize("room", [0, 4096], ids=["nothing-written", "first-header-only"])
+def test_a_create_that_runs_out_of_disk_leaves_nothing_a_later_run_would_trust(tmp_path, room):
+    """DuckDB's own create, on a full disk, left a 0-byte or 4 KB file at the path; once
+    space was freed every later landing failed on it ("exists, but it is not a valid
+    DuckDB database file!"), after each run had trained. A file size limit makes the
+    writes fail (EFBIG) where a full disk would (ENOSPC), without a mount."""
+    path = tmp_path / "m.duckdb"
+    full_disk = textwrap.dedent(f"""
+        import resource, signal, sys
+        from infra.metrics import DuckDBSink
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({room}, resource.RLIM_INFINITY))
+        try:
+            DuckDBSink({str(path)!r}).ensure_tables()
+        except Exception as e:
+            print(type(e).__name__, e)
+            sys.exit(3)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", full_disk], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 3 and "File too large" in done.stdout, done.stdout + done.stderr
+    assert os.listdir(tmp_path) == []  # no stub, no temporary file
+    sink = DuckDBSink(path)  # space freed: the next run lands
+    assert sink.land(run_row(), steps(), evals()) == LandResult(runs=1, steps=5, evals=1)
+    assert counts(sink) == (1, 5, 1)
+
+
+def test_a_file_another_process_creates_meanwhile_is_kept_with_its_rows(tmp_path, monkeypatch):
+    """The create links its complete file into place: when another process created the
+    file (and landed a run) between this one's check and its link, that file stays; a
+    rename would have replaced it, and its rows with it."""
+    path = tmp_path / "m.duckdb"
+    link = os.link
+
+    def other_process_first(src, dst):
+        monkeypatch.setattr(os, "link", link)  # the other one's own create links as usual
+        DuckDBSink(tmp_path / "other.duckdb").land(run_row("other"), steps("other"), [])
+        os.rename(tmp_path / "other.duckdb", dst)
+        link(src, dst)
+
+    monkeypatch.setattr(os, "link", other_process_first)
+    sink = DuckDBSink(path)
+    sink.land(run_row(), steps(), [])
+    assert sink.query("SELECT run_id FROM runs ORDER BY run_id") == [("other",), ("run-1",)]
+    assert os.listdir(tmp_path) == ["m.duckdb"]
+
+
+def test_a_filesystem_without_hard_links_still_gets_its_file(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted")  # what vfat says
+
+    monkeypatch.setattr(os, "link", no_links)
+    sink = DuckDBSink(tmp_path / "m.duckdb")
+    sink.land(run_row(), steps(), [])
+    assert counts(sink) == (1, 5, 0)
+    assert os.listdir(tmp_path) == ["m.duckdb"]

@@ -1,5 +1,5 @@
 """The DuckDB metrics file on disk: whether an existing file is a database, told from its
-header without opening it.
+header, and creating a new file so that a create that fails leaves nothing behind.
 
 DuckDB's first connect to a missing file creates it and then writes its headers. On a
 full disk that left a 0-byte (or 4 KB) file at the path, which every later connect
@@ -9,14 +9,22 @@ evaluated and only then failed to land.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import duckdb
 
 # A DuckDB file starts with a 4 KB main header (a checksum, then the magic bytes "DUCK" at
 # byte 8) and two 4 KB database headers: no complete database file is shorter than that.
 MAGIC = b"DUCK"
 MAGIC_OFFSET = 8
 HEADER_BYTES = 3 * 4096
+
+# Errors of a filesystem that has no hard links (vfat, some FUSE and SMB mounts).
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def database_file_problem(path: str | os.PathLike[str]) -> str | None:
@@ -51,3 +59,58 @@ def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     if size < HEADER_BYTES:
         return f"it has {size} bytes, fewer than DuckDB's {HEADER_BYTES}-byte headers, {stub}"
     return None
+
+
+def create_database(
+    path: Path, init: Callable[[duckdb.DuckDBPyConnection], None] | None = None
+) -> None:
+    """Create the DuckDB file at `path`, set up by `init(con)`, unless one appears first.
+
+    The database is built under a temporary name in the same directory and hard-linked
+    into place, so `path` only ever holds a complete file: a create that fails (a full
+    disk) removes what it wrote. When another process creates `path` meanwhile, its file
+    is kept: a link never replaces a file, whereas a rename would, with whatever rows that
+    process has landed since.
+
+    Args:
+        path: the database file to create; its directory exists.
+        init: what to run on the new database before it is put in place (its tables).
+
+    Raises:
+        duckdb.Error / OSError: the create failed; nothing is left at `path` by it.
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.creating")
+    wal = tmp.with_name(tmp.name + ".wal")
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            if init is not None:
+                init(con)
+        finally:
+            con.close()  # checkpoints: the tables move from the WAL into the file
+        # close() does not raise when its checkpoint fails: the WAL stays, holding the tables.
+        if database_file_problem(tmp) is not None or os.path.lexists(wal):
+            raise OSError(
+                errno.EIO,
+                f"could not create the metrics database {path}: DuckDB did not finish "
+                f"writing it (a full disk?); {tmp.name} was removed",
+            )
+        _link_into_place(tmp, path)
+    finally:
+        for leftover in (tmp, wal):
+            leftover.unlink(missing_ok=True)
+
+
+def _link_into_place(tmp: Path, path: Path) -> None:
+    """Give the complete file `tmp` the name `path` too, unless `path` exists by now."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return  # another process created it first: that file is the one in use
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+        # No hard links here: a rename, which replaces a file another process created in
+        # the instant between this check and it (this process's threads take turns).
+        if not os.path.lexists(path):
+            os.rename(tmp, path)

@@ -7,6 +7,9 @@ a connection attempt that meets another process's lock is retried for a while. W
 process, connections to a file share one database, where two threads' concurrent DDL
 (the tables' `CREATE`/`ADD COLUMN IF NOT EXISTS`) fails with a write-write conflict: so
 operations on a file also take turns between threads (sweep trials run as threads).
+
+A new file is created complete, with its tables, under a temporary name and then linked
+into place (`infra.metrics.duckdb_file`): a create that fails leaves no stub behind.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import duckdb
 
+from infra.metrics.duckdb_file import create_database
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -197,8 +201,13 @@ class DuckDBSink:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        with _file_lock(self.path), self._open() as con:
-            yield con
+        with _file_lock(self.path):
+            if not os.path.lexists(self.path):
+                # Not DuckDB's own create: on a full disk it left a stub at the path that
+                # every later connect refuses (see `infra.metrics.duckdb_file`).
+                create_database(self.path, self._create_tables)
+            with self._open() as con:
+                yield con
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[duckdb.DuckDBPyConnection]:
