@@ -140,17 +140,21 @@ def test_a_full_disk_while_tokenizing_names_the_spill_file(tmp_path, capsys, mon
     # on a full disk names the shard).
     from workloads import packing
 
-    corpus = make_corpus(tmp_path)
     monkeypatch.setattr(packing, "open", lambda path, mode: _FullDisk(path), raising=False)
-    argv = ["shard", "--source", str(corpus), "--out", str(tmp_path / "ds"), "--seq-len", "16"]
+    err = one_line_failure(tmp_path, capsys)
+    spill = r"cannot write the tokenize spill file \S+/unit-00000\.\w+\.tmp: No space left"
+    assert re.search(rf"sharding failed: {spill} on device\n", err), err
+
+
+def one_line_failure(tmp_path, capsys) -> str:
+    """`tpupipe shard` of a small corpus, which must fail with exit 1 and no traceback;
+    returns what it printed on stderr."""
+    out = tmp_path / "ds"
+    argv = ["shard", "--source", str(make_corpus(tmp_path)), "--out", str(out), "--seq-len", "16"]
     assert main([*argv, "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert re.search(
-        r"sharding failed: cannot write the tokenize spill file \S+/unit-00000\.\w+\.tmp: "
-        r"No space left on device\n",
-        err,
-    ), err
+    return err
 
 
 class _FullDiskWriter:
@@ -170,16 +174,8 @@ def test_a_full_disk_while_writing_shards_names_the_shard(tmp_path, capsys, monk
     # The writer's RuntimeError went up as a raw traceback, exit 1.
     from workloads import packing
 
-    corpus = make_corpus(tmp_path)
     monkeypatch.setattr(packing, "ArrayRecordWriter", _FullDiskWriter)
-    out = tmp_path / "ds"
-    argv = ["shard", "--source", str(corpus), "--out", str(out), "--seq-len", "16"]
-    assert main([*argv, "--workers", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert re.search(
-        r"sharding failed: cannot write the shard \S+/\S*(train|eval)-00000\S*: write\(\) failed: "
-        r"No space left on device",
-        err,
-    ), err
-    assert not out.exists()  # the unfinished dataset is gone: nothing trusts it
+    err = one_line_failure(tmp_path, capsys)
+    shard = r"cannot write the shard \S+/\S*(train|eval)-00000\S*: write\(\) failed: No space"
+    assert re.search(rf"sharding failed: {shard} left on device", err), err
+    assert not (tmp_path / "ds").exists()  # the unfinished dataset is gone: nothing trusts it
