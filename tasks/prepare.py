@@ -178,9 +178,8 @@ def _check_metrics_file(value: str, path: str) -> None:
             f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
             "e.g. <dir>/metrics.duckdb"
         )
-    if os.path.islink(path) and not os.path.exists(path):
-        target = os.readlink(path)
-        problem = f"it is a symlink to {target}, which does not exist: is its disk mounted?"
+    if dangling := _dangling_link(path):
+        problem = f"it {dangling}"
     elif os.path.exists(path):
         problem = database_file_problem(path)
     else:
@@ -191,6 +190,14 @@ def _check_metrics_file(value: str, path: str) -> None:
         )
 
 
+def _dangling_link(path: str) -> str | None:
+    """ "is a symlink to <target>, which does not exist: ..." if `path` is one, else None."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    target = os.readlink(path)
+    return f"is a symlink to {target}, which does not exist: is its disk mounted?"
+
+
 def _cannot_create(path: str) -> str | None:
     """Why the directory `path` cannot be created (or used, if it exists), or None."""
     existing = path
@@ -198,9 +205,8 @@ def _cannot_create(path: str) -> str | None:
     # of creating the directory, where exists() walked past it to its writable parent.
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
-    if os.path.islink(existing) and not os.path.exists(existing):
-        target = os.readlink(existing)
-        return f"{existing} is a symlink to {target}, which does not exist: is its disk mounted?"
+    if dangling := _dangling_link(existing):
+        return f"{existing} {dangling}"
     if not os.path.isdir(existing):
         return f"{existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
