@@ -105,10 +105,11 @@ def tokenize_unit(job: UnitJob) -> dict:
     # tokenizer fails on.
     origin: dict[str, list[tuple[str, int]]] = {s: [] for s in SPLITS}
     pending_bytes = dict.fromkeys(SPLITS, 0)
+    spills = {s: job.path(f"{s}.tmp") for s in SPLITS}
     outs = {}
-    for s in SPLITS:
-        with write_errors(job.path(f"{s}.tmp")):
-            outs[s] = open(job.path(f"{s}.tmp"), "wb")  # noqa: SIM115
+    for s, path in spills.items():
+        with write_errors(path):
+            outs[s] = open(path, "wb")  # noqa: SIM115
 
     def flush(split: str) -> None:
         try:
@@ -117,7 +118,7 @@ def tokenize_unit(job: UnitJob) -> dict:
             uri, n = origin[split][exc.index]
             place = uri if job.read.whole_files(uri) else f"{uri}: document {n + 1}"
             raise DatasetError(f"{place}: {exc}") from None
-        with write_errors(job.path(f"{split}.tmp")):
+        with write_errors(spills[split]):
             outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
         st = stats[split]
         st["tokens"] += len(ids)
@@ -152,11 +153,11 @@ def tokenize_unit(job: UnitJob) -> dict:
                 flush(split)
     finally:
         for split, fh in outs.items():
-            with write_errors(job.path(f"{split}.tmp")):
+            with write_errors(spills[split]):
                 fh.close()  # flushes the buffer's last bytes: a full disk says so here
     for split in SPLITS:  # a crash between renames leaves no summary, so nothing is trusted
         with write_errors(job.path(split)):
-            os.replace(job.path(f"{split}.tmp"), job.path(split))
+            os.replace(spills[split], job.path(split))
     meta = {"identity": job.identity(), **stats}
     tmp = job.path("json.tmp")
     with write_errors(tmp):
