@@ -1,9 +1,9 @@
 """`tpupipe`: run the pipeline locally from a config file.
 
-    tpupipe run --config configs/demo.yaml --set train.steps=50
-    tpupipe validate --config configs/demo.yaml
-    tpupipe shard --source corpus/ --out .tpupipe/datasets
-    tpupipe report demo
+tpupipe run --config configs/demo.yaml --set train.steps=50
+tpupipe validate --config configs/demo.yaml
+tpupipe shard --source corpus/ --out .tpupipe/datasets
+tpupipe report demo
 """
 
 from __future__ import annotations

@@ -169,7 +169,11 @@ def test_shards_hold_each_splits_stream(tmp_path):
     assert not result.cached and m == data.load_manifest(result.dataset_dir)
     # Byte tokens take one byte each; EOD (256) is stored as 0xFF, never a byte of UTF-8.
     assert m["record"] == {
-        "dtype": "uint8", "length": 17, "byte_order": "little", "eod": 255, "sequences": 64
+        "dtype": "uint8",
+        "length": 17,
+        "byte_order": "little",
+        "eod": 255,
+        "sequences": 64,
     }
     assert m["tokenizer"] == {"kind": "bytes", "vocab_size": 257, "eod_token": 256}
     assert sorted(files_of(result.dataset_dir)) == [

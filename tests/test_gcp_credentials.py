@@ -66,9 +66,7 @@ def test_gs_sources_without_credentials_are_refused_naming_the_field(no_gcloud):
         check_backend_access(config, plan_run(config))
 
 
-def test_tpupipe_shard_of_gs_sources_without_credentials_says_so_in_one_line(
-    no_gcloud, capsys
-):
+def test_tpupipe_shard_of_gs_sources_without_credentials_says_so_in_one_line(no_gcloud, capsys):
     from flows.cli import main
 
     out = str(no_gcloud / "ds")
