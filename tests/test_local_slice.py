@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from infra.slices import (
     LocalSliceProvider,
+    ProvisioningError,
     SliceError,
     SliceProvider,
     SliceSpec,
@@ -198,6 +200,31 @@ def test_spec_and_factory_validation(tmp_path):
         p.create(_spec(tmp_path, "multi", SLEEPER, hosts=2, devices=3))
     with pytest.raises(ValueError, match="gcp"):
         build_provider("gcp", str(tmp_path))
+
+
+def test_a_program_that_cannot_start_fails_for_good_and_a_lack_of_processes_is_retried(
+    provider, tmp_path, monkeypatch
+):
+    """Only a create that may succeed next time is a ProvisioningError (retried with
+    backoff, resilience.max_failures times); a missing program fails the run at once."""
+    spec = SliceSpec(
+        name="gone",
+        devices=1,
+        command=[str(tmp_path / "no-such-python")],
+        log_path=str(tmp_path / "l"),
+    )
+    with pytest.raises(SliceError, match=r"cannot start .*no-such-python") as caught:
+        provider.create(spec)
+    assert not isinstance(caught.value, ProvisioningError)
+    assert provider.status("gone").state is SliceState.NOT_FOUND
+
+    def no_process(*args, **kwargs):
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    with pytest.raises(ProvisioningError, match="Resource temporarily unavailable"):
+        provider.create(_spec(tmp_path, "busy", SLEEPER))
+    assert provider.status("busy").state is SliceState.NOT_FOUND
 
 
 def test_delete_unknown_is_false(provider):

@@ -8,6 +8,7 @@ slice also keeps its `Popen`, which is the only way to learn the exit code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -46,6 +47,8 @@ from infra.slices.procs import (
 
 # After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
 _KILL_WAIT_S = 10.0
+# Why a host could not be started that may pass by the next try.
+_TRANSIENT_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
 class LocalSliceProvider:
@@ -62,8 +65,11 @@ class LocalSliceProvider:
         """Start `spec.command` as a new process group; READY once it is running.
 
         Raises:
-            SliceError: hosts != 1, or a live slice of that name exists.
-            ProvisioningError: the command could not be started.
+            SliceError: devices do not split over the hosts, a live slice of that name
+                exists, or the command cannot be started for good (no such program, an
+                unwritable log).
+            ProvisioningError: the command could not be started for want of processes or
+                memory (EAGAIN, ENOMEM, EMFILE, ENFILE): worth retrying.
         """
         if spec.devices % spec.hosts:
             raise SliceError(
@@ -152,9 +158,11 @@ class LocalSliceProvider:
                         )
                     )
         except OSError as e:
-            raise ProvisioningError(
-                f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}"
-            ) from e
+            # Out of processes or memory may pass: retried like a create without capacity.
+            # A missing program or an unwritable log stays so: retrying it only made the
+            # run wait out resilience.max_failures backoffs before failing the same way.
+            kind = ProvisioningError if e.errno in _TRANSIENT_START_ERRORS else SliceError
+            raise kind(f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}") from e
         return HostGroup(list(started))
 
     def status(self, name: str) -> SliceStatus:
