@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 
 import pytest
@@ -12,7 +14,7 @@ from tasks.goodput import read_events
 from tasks.ledger import compute_ledger
 from tasks.pricing import Price
 from workloads.events import EventLog, LeaseLost
-from workloads.rundir import RunDir, UnreadableFile, read_json
+from workloads.rundir import RunDir, UnreadableFile, read_json, write_json_atomic
 
 
 def test_a_torn_metrics_line_does_not_swallow_the_next_attempts_first_row(tmp_path):
@@ -120,3 +122,22 @@ def test_a_remembered_peak_that_is_not_a_number_is_measured_again(monkeypatch, f
     monkeypatch.setattr(perf, "measure_matmul_peak", lambda dtype: perf.Peak(5.0, "measured"))
     remembered = {"source": "measured:float32 matmul", "flops_per_s": flops}
     assert perf.slice_peak("float32", remembered).flops_per_s == 5.0
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """A full disk (here the rename failing) must leave the old status readable and no
+    `.status.json.<pid>.tmp` beside it."""
+    from etils import epath
+
+    path = epath.Path(tmp_path) / "status.json"
+    write_json_atomic(path, {"state": "training"})
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_json_atomic(path, {"state": "finished"})
+    monkeypatch.undo()
+    assert read_json(path) == {"state": "training"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]

@@ -7,6 +7,7 @@ half a file) and appends `metrics.jsonl`; the orchestrator reads both. Paths are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -52,8 +53,15 @@ def write_json_atomic(path: epath.Path, payload: dict[str, Any]) -> None:
         path.write_text(text)  # a GCS object write is already all-or-nothing
         return
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk or a signal mid-write: the old file stands, and no stray half-written
+        # temporary is left beside it (the run directory is the user's to read).
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _jsonable(value: Any) -> Any:
