@@ -16,6 +16,9 @@ Designed from what goes wrong with hand-rolled TPU scripts:
 The workload's exit code does not exist in the TPU API (a node stays READY after its
 program ends), so each worker's launcher leaves an exit record in GCS beside the slice log,
 and `status` reports TERMINATED with that code once every worker has one.
+
+This file is the protocol across zones. Its base `TpuZones` (gcp_zone.py) makes the calls
+into one zone; gcp_api.py holds the retry policies and errors, gcp_node.py the Node.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from google.cloud import tpu_v2
 
 from infra.slices.base import (
     PartialListError,
-    ProvisioningError,
     SliceError,
     SliceSpec,
     SliceState,
@@ -43,26 +45,22 @@ from infra.slices.base import (
 )
 from infra.slices.gcp_api import (
     CREATE_AGAIN,
-    CREATE_RETRY,
     CapacityError,
     TpuPermissionError,
-    call,
     exit_status,
     permission_error,
-    spot_request,
-    wait_op,
 )
 from infra.slices.gcp_node import TpuSettings, build_node, protocol_state
+from infra.slices.gcp_zone import LAUNCH_LABEL, TpuZones
 
 __all__ = ["CapacityError", "GcpSliceProvider", "TpuPermissionError"]
 
 log = logging.getLogger(__name__)
 
-LAUNCH_LABEL = "launch"
 _QR = tpu_v2.QueuedResourceState.State
 
 
-class GcpSliceProvider:
+class GcpSliceProvider(TpuZones):
     """SliceProvider on Cloud TPU VMs; one TpuClient and one storage Client, passed in."""
 
     def __init__(
@@ -81,10 +79,8 @@ class GcpSliceProvider:
             settings: project, zones, accelerator, capacity and timeouts.
             clock, sleep: injectable for tests.
         """
-        self.tpu, self.storage, self.settings = tpu, storage, settings
-        self._clock, self._sleep = clock, sleep
-        self._zone_of: dict[str, str] = {}  # where we last saw each slice: try it first
-        self._unanswered: set[str] = set()  # creates interrupted before their answer
+        super().__init__(tpu, settings, clock, sleep)
+        self.storage = storage
 
     # -- the SliceProvider protocol ----------------------------------------------------
 
@@ -260,181 +256,7 @@ class GcpSliceProvider:
                 name, SliceState(protocol_state(node.state)), None, dict(node.labels)
             )
 
-    # -- creation ----------------------------------------------------------------------
-
-    def _create_in(self, zone: str, name: str, node: tpu_v2.Node, launch_id: str) -> SliceStatus:
-        parent = self._parent(zone)
-        self._zone_of[name] = zone
-        try:
-            if self.settings.capacity == "spot":
-                self._queue(parent, name, node)
-            else:
-                op = self._send_create(
-                    name,
-                    lambda: self.tpu.create_node(
-                        parent=parent, node_id=name, node=node, retry=CREATE_RETRY
-                    ),
-                )
-                self._wait_op(op)
-        except gexc.Conflict:
-            # Our own earlier create whose response was lost, or somebody else's slice.
-            if self._launch_of(zone, name) != launch_id:
-                raise SliceError(f"slice {name!r} already exists in {zone}") from None
-            if self.settings.capacity == "spot":
-                self._queue(parent, name, node, adopt=True)
-        return self._wait_ready(zone, name)
-
-    def _launch_of(self, zone: str, name: str) -> str | None:
-        node = self._get_node(zone, name)
-        if node is not None:
-            return node.labels.get(LAUNCH_LABEL)
-        found = self._find_queued(name, zones=[zone])
-        return found[1].tpu.node_spec[0].node.labels.get(LAUNCH_LABEL) if found else None
-
-    def _queue(self, parent: str, name: str, node: tpu_v2.Node, adopt: bool = False) -> None:
-        """Queue a spot request valid for queue_timeout_s and wait until it is ACTIVE.
-
-        With `adopt`, the request already exists (ours) and is only waited for.
-        """
-        timeout = self.settings.queue_timeout_s
-        request = spot_request(parent, name, node, timeout)
-        zone = parent.rsplit("/", 1)[-1]
-        if not adopt:
-            op = self._send_create(
-                name,
-                lambda: self.tpu.create_queued_resource(
-                    parent=parent,
-                    queued_resource_id=name,
-                    queued_resource=request,
-                    retry=CREATE_RETRY,
-                ),
-            )
-            self._wait_op(op)
-        qr_name = f"{parent}/queuedResources/{name}"
-        deadline = self._clock() + timeout
-        while True:
-            try:
-                qr = self._call(self.tpu.get_queued_resource, name=qr_name)
-            except gexc.NotFound:
-                raise ProvisioningError(f"spot request {name} was cancelled") from None
-            state = qr.state.state
-            if state == _QR.ACTIVE:
-                return
-            if state in (_QR.FAILED, _QR.SUSPENDED, _QR.SUSPENDING):
-                error = qr.state.failed_data.error
-                self._delete_in(zone, name)
-                # A failed spot request means no capacity: let the zone loop go on.
-                raise gexc.ResourceExhausted(
-                    f"queued resource {name} {state.name}: {error.message or 'no capacity'}"
-                )
-            if self._clock() >= deadline:
-                self._delete_in(zone, name)  # cancel: never leave a request waiting
-                raise gexc.ResourceExhausted(
-                    f"spot request {name} still {state.name} after {timeout:.0f}s"
-                )
-            self._sleep(self.settings.poll_s)
-
-    def _send_create(self, name: str, send: Callable[[], Any]) -> Any:
-        """`send()`, a create request for slice `name`. Interrupted before an answer (by
-        a signal's exception, not an API error), `name` stays marked for `delete`."""
-        self._unanswered.add(name)
-        try:
-            result = send()
-        except Exception:
-            self._unanswered.discard(name)  # answered: what it left is found by name
-            raise
-        self._unanswered.discard(name)
-        return result
-
-    def _wait_ready(self, zone: str, name: str) -> SliceStatus:
-        deadline = self._clock() + self.settings.provision_timeout_s
-        while True:
-            node = self._get_node(zone, name)
-            state = "NOT_FOUND" if node is None else protocol_state(node.state)
-            if state == "READY":
-                return SliceStatus(name, SliceState.READY, None, dict(node.labels))
-            if state != "CREATING":
-                self._delete_in(zone, name)
-                raise ProvisioningError(f"slice {name!r} became {state} while being created")
-            if self._clock() >= deadline:
-                self._delete_in(zone, name)
-                raise ProvisioningError(
-                    f"slice {name!r} not READY after {self.settings.provision_timeout_s:.0f}s "
-                    "(slice.provision_timeout_s); deleted"
-                )
-            self._sleep(self.settings.poll_s)
-
-    def _delete_after_failed_create(self, zone: str, name: str) -> str:
-        """Delete what a failed create may have left; "" or what the user must delete."""
-        try:
-            self._delete_in(zone, name)
-        except (gexc.GoogleAPICallError, gexc.RetryError) as e:
-            return f"; deleting what it may have left failed too (delete slice {name} by hand): {e}"
-        return ""
-
-    def _wait_op(self, op: Any) -> Any:
-        return wait_op(op, self.settings.poll_s, self.settings.provision_timeout_s)
-
-    # -- lookups and deletes -----------------------------------------------------------
-
-    def _zones_for(self, name: str) -> Iterator[str]:
-        first = self._zone_of.get(name)
-        if first:
-            yield first
-        yield from (z for z in self.settings.zones if z != first)
-
-    def _find_node(self, name: str) -> tuple[str, tpu_v2.Node] | None:
-        for zone in self._zones_for(name):
-            node = self._get_node(zone, name)
-            if node is not None:
-                self._zone_of[name] = zone
-                return zone, node
-        return None
-
-    def _find_queued(
-        self, name: str, zones: list[str] | None = None
-    ) -> tuple[str, tpu_v2.QueuedResource] | None:
-        for zone in zones or self._zones_for(name):
-            try:
-                qr = self._call(
-                    self.tpu.get_queued_resource,
-                    name=f"{self._parent(zone)}/queuedResources/{name}",
-                )
-            except gexc.NotFound:
-                continue
-            return zone, qr
-        return None
-
-    def _get_node(self, zone: str, name: str) -> tpu_v2.Node | None:
-        try:
-            return self._call(self.tpu.get_node, name=f"{self._parent(zone)}/nodes/{name}")
-        except gexc.NotFound:
-            return None
-
-    def _delete_in(self, zone: str, name: str) -> bool:
-        """Cancel the queued request (force: with its node) and delete the node in `zone`."""
-        parent, deleted = self._parent(zone), False
-        qr_name, node_name = f"{parent}/queuedResources/{name}", f"{parent}/nodes/{name}"
-        for method, kwargs in (
-            (self.tpu.delete_queued_resource, {"request": {"name": qr_name, "force": True}}),
-            (self.tpu.delete_node, {"name": node_name}),
-        ):
-            try:
-                op = self._call(method, **kwargs)
-            except gexc.NotFound:
-                continue
-            deleted = True
-            # Wait, so a create of the same name right after cannot meet this one.
-            with contextlib.suppress(gexc.NotFound):
-                self._wait_op(op)
-        return deleted
-
     # -- plumbing ----------------------------------------------------------------------
-
-    def _parent(self, zone: str) -> str:
-        return f"projects/{self.settings.project}/locations/{zone}"
-
-    _call = staticmethod(call)
 
     @contextlib.contextmanager
     def _denied(self, what: str) -> Iterator[None]:

@@ -9,8 +9,8 @@ import time
 import pytest
 from google.api_core import retry as gretry
 
-from infra.slices import gcp
-from infra.slices.base import SliceSpec, SliceState
+from infra.slices import gcp, gcp_zone
+from infra.slices.base import ProvisioningError, SliceSpec, SliceState
 from infra.slices.gcp import CapacityError, GcpSliceProvider, TpuPermissionError
 from infra.slices.gcp_node import STARTUP_SCRIPT, TpuSettings
 
@@ -131,7 +131,9 @@ def test_a_live_slice_is_never_created_twice(fake_tpu):
 def test_a_create_whose_answer_was_lost_adopts_its_node(fake_tpu, monkeypatch):
     fake, host = fake_tpu
     monkeypatch.setattr(
-        gcp, "CREATE_RETRY", gretry.Retry(predicate=gcp.CREATE_RETRY._predicate, initial=0.01)
+        gcp_zone,
+        "CREATE_RETRY",
+        gretry.Retry(predicate=gcp_zone.CREATE_RETRY._predicate, initial=0.01),
     )
     fake.create_errors["us-west4-a"] = [("lost",)]
     provider = make_provider(host)
@@ -237,7 +239,7 @@ def test_teardown_cancels_a_waiting_request_that_list_shows(fake_tpu):
     thread.join(10)
 
     assert fake.queued == {} and fake.nodes == {}
-    assert outcome and isinstance(outcome[0], gcp.ProvisioningError)
+    assert outcome and isinstance(outcome[0], ProvisioningError)
 
 
 def test_delete_is_idempotent_and_list_filters_by_label(fake_tpu):
