@@ -1,0 +1,159 @@
+"""Reading checkpoint steps back: onto the training mesh, to resume from the newest step
+that restores and can be trusted (quarantining each newer one that cannot, with the hosts
+agreeing on it), or onto one host CPU device, to verify or evaluate a step whatever mesh
+wrote it (re-exported by workloads/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from workloads import ckpt_integrity as integrity
+from workloads.ckpt_manager import item_handlers, make_manager
+from workloads.ckpt_quarantine import quarantine
+
+# The logger these lines had before the split, so their records are unchanged.
+log = logging.getLogger("workloads.checkpoint")
+
+REASON_BYTES = 1024  # of a restore problem, as hosts tell each other (see `_agreed_problem`)
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict, dict, dict]:
+    """Restore `step` onto the shardings of `arrays`; returns (arrays, data_iter, meta).
+
+    Each host reads its own shards and nothing more: no collective, no barrier, unlike
+    `CheckpointManager.restore`, whose closing barrier a host that failed to read never
+    reaches (see `restore_newest_valid`).
+    """
+    from flax import nnx
+
+    target = pure_dicts(arrays)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    handler = ocp.CompositeCheckpointHandler(**item_handlers())
+    try:
+        out = handler.restore(
+            epath.Path(mngr.directory) / str(step),
+            args=ocp.args.Composite(
+                state=_restore_args(abstract),
+                data_iter=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+    finally:
+        handler.close()
+    restored = {}
+    for key, state in arrays.items():
+        copy = jax.tree.map(lambda x: x, state)  # never mutate the caller's state
+        nnx.replace_by_pure_dict(copy, out["state"][key])
+        restored[key] = copy
+    return restored, out["data_iter"], out["meta"]
+
+
+def state_problem(state: Any, meta: dict, config_hash: str) -> str | None:
+    """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf, arrays that
+    differ from their saved checksums), or None. `state`: the restored pure dict."""
+    if meta.get("config_hash") != config_hash:
+        return f"written by config {meta.get('config_hash')}, this run's config is {config_hash}"
+    return integrity.integrity_problem(state, meta.get("checksums"))
+
+
+def restore_error(exc: BaseException) -> str:
+    """'does not restore: <error>', without the store's whole spec that tensorstore's
+    errors append (60 lines of JSON for one array, in a message a person reads)."""
+    text = str(exc).split("See full TensorStore details", 1)[0].strip()
+    if len(text) > 500:
+        text = text[:500] + " ..."
+    return f"does not restore: {type(exc).__name__}: {text}"
+
+
+def restore_newest_valid(
+    mngr: ocp.CheckpointManager, run_dir: str, arrays: dict, config_hash: str
+) -> tuple[int, dict, dict | None]:
+    """Resume point: the newest checkpoint that restores, is finite and is this config's.
+
+    Each newer checkpoint that fails is quarantined first. Returns (step, arrays, data
+    iterator state); (0, arrays, None) when nothing valid exists, with `arrays` untouched.
+
+    With several hosts, each reads its own shards, so a damaged file may fail one host's
+    read only. The hosts then agree on the outcome before anything collective runs: after
+    orbax's restore, a host whose read failed skipped the barrier that closes it while the
+    others waited there, the hosts' collectives no longer matched, and the attempt stalled
+    until the orchestrator's heartbeat timeout.
+    """
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            restored, data_state, meta = restore(mngr, step, arrays)
+            problem = None
+        except Exception as exc:  # a truncated or missing file surfaces as any error
+            problem = restore_error(exc)
+            log.warning("checkpoint step %d %s", step, problem)
+        problem = _agreed_problem(problem)
+        if problem is None:  # every host holds its shards: collective checks are safe
+            problem = state_problem(pure_dicts(restored), meta, config_hash)
+        if problem is None:
+            return step, restored, data_state
+        if jax.process_index() == 0:
+            quarantine(run_dir, step, problem)
+        multihost_utils.sync_global_devices(f"quarantine-{step}")
+        mngr.reload()
+    return 0, arrays, None
+
+
+def _agreed_problem(problem: str | None) -> str | None:
+    """This host's restore problem or, if only other hosts' restores failed, theirs.
+
+    Every host calls it once per step tried, whatever happened on it: the hosts exchange
+    their problems (the first `REASON_BYTES` of each) in one collective.
+    """
+    if jax.process_count() == 1:
+        return problem
+    mine = (problem or "").encode()[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
+    every = multihost_utils.process_allgather(np.frombuffer(mine, np.uint8))
+    reasons = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+    failed = [(host, reason) for host, reason in enumerate(reasons) if reason]
+    if problem is None and failed:
+        host, reason = failed[0]
+        problem = reason.replace("does not restore:", f"does not restore on host {host}:", 1)
+    return problem
+
+
+def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
+    """Restore onto the shapes, dtypes and shardings of an abstract tree."""
+    return ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+    )
+
+
+def pure_dicts(arrays: dict) -> dict:
+    """Each state of `arrays` as the pure dict of its arrays (what orbax saves)."""
+    from flax import nnx
+
+    return {key: nnx.to_pure_dict(state) for key, state in arrays.items()}
+
+
+def restore_on_host(run_dir: str, step: int) -> tuple[dict, dict]:
+    """Restore a step's `state` onto one host CPU device (any mesh wrote it) and its meta."""
+    mngr = make_manager(run_dir, read_only=True)
+    try:
+        metadata = mngr.item_metadata(step)["state"]
+        # One host device holds everything: valid whatever topology wrote the checkpoint.
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        abstract = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+            metadata,
+            is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
+        )
+        out = mngr.restore(
+            step,
+            args=ocp.args.Composite(state=_restore_args(abstract), meta=ocp.args.JsonRestore()),
+        )
+        return out["state"], out["meta"]
+    finally:
+        mngr.close()
