@@ -87,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
             flag = _FLAGS.get(str(err["loc"][0]), "--source") if err["loc"] else "options"
             print(f"  {flag}: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
+    from workloads.listing import check_out_root
+    from workloads.sources import DatasetError
+
+    try:  # an option conflict (exit 2), not bad input: checked before any source is read
+        check_out_root(cfg.sources, args.out)
+    except DatasetError as exc:
+        print(f"invalid options:\n  --out: {exc}", file=sys.stderr)
+        return 2
 
     from rich.console import Console
     from rich.progress import (
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Imports Prefect (~2 s): only when there is work to do.
     from infra.gcp.clients import CredentialsError
-    from tasks.prepare import DatasetError, shard_corpus
+    from tasks.prepare import shard_corpus
     from workloads.shard_pool import WorkerDied
 
     bars: dict[str, Any] = {}

@@ -126,6 +126,9 @@ def test_invalid_utf8_names_file_and_byte_offset_unless_replaced(tmp_path):
     text.write_bytes(b"hello \xff world")
     with pytest.raises(DatasetError, match=r"bad\.txt: invalid UTF-8 at byte offset 6 of the file"):
         documents(text)
+    # The fix named both ways of asking for it: a config's field and `tpupipe shard`'s flag.
+    with pytest.raises(DatasetError, match=r"dataset\.errors=replace, or --errors replace with"):
+        documents(text)
     assert documents(text, errors="replace") == ["hello \ufffd world".encode()]
     lines = tmp_path / "bad.jsonl"
     lines.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

@@ -97,8 +97,9 @@ def test_a_blank_source_is_an_invalid_option_in_the_cli_and_the_config(tmp_path,
 def test_shard_command_refuses_an_out_that_is_the_source(tmp_path, capsys):
     corpus = make_corpus(tmp_path)
     argv = ["shard", "--source", str(corpus), "--out", str(corpus), "--workers", "1"]
-    assert main(argv) == 1
+    assert main(argv) == 2  # an option conflict, as the README's exit codes say: not bad input
     err = capsys.readouterr().err
+    assert err.startswith("invalid options:\n  --out: the datasets directory")
     assert f"datasets directory {corpus} is dataset source '{corpus}'" in err
     assert sorted(p.name for p in corpus.iterdir()) == ["doc0.txt", "doc2.txt", "doc4.txt", "sub"]
 

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
+# Both ways of giving the option: a config's field and `tpupipe shard`'s flag.
+REPLACE_HINT = (
+    "set dataset.errors=replace, or --errors replace with tpupipe shard, to substitute U+FFFD"
+)
+
 
 def skip_bom(stream: BinaryIO) -> int:
     """Skip a byte order mark at the start of `stream` (some Windows tools write one);
@@ -85,8 +90,7 @@ def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the
         if errors == "replace":
             return data.decode("utf-8", "replace").encode("utf-8")
         raise DatasetError(
-            f"{place}: invalid UTF-8 at byte offset {offset + exc.start} {where} "
-            "(set dataset.errors=replace to substitute U+FFFD)"
+            f"{place}: invalid UTF-8 at byte offset {offset + exc.start} {where} ({REPLACE_HINT})"
         ) from None
 
 
@@ -172,7 +176,7 @@ def _encode(value: str, place: str, field: str, errors: str) -> bytes:
             return _SURROGATE.sub("\ufffd", value).encode("utf-8")
         raise DatasetError(
             f"{place}: field {field!r} holds an unpaired surrogate escape, which is not "
-            "valid UTF-8 (set dataset.errors=replace to substitute U+FFFD)"
+            f"valid UTF-8 ({REPLACE_HINT})"
         ) from None
 
 
