@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -45,6 +46,9 @@ def temporary_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     """Run the block against a temporary local Prefect API, unless one is configured
     (`PREFECT_API_URL`): then yield None and start nothing. Yields the API's URL.
 
+    A server that dies during the run (the OOM killer, a stray `kill`) is started again on
+    the same port and database (`_Supervisor`).
+
     Raises:
         RuntimeError: the server did not answer within `startup_timeout_s`, with the end
             of its error output.
@@ -54,29 +58,87 @@ def temporary_api(startup_timeout_s: float = 120.0) -> Iterator[str | None]:
     if PREFECT_API_URL.value():
         yield None
         return
-    port = _free_port()
-    errors = tempfile.TemporaryFile()  # noqa: SIM115 (read if the server fails)
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "prefect", "server", "start"),
-            *("--host", "127.0.0.1", "--port", str(port)),
-            *("--no-services", "--no-ui", "--log-level", "error"),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=errors,
-        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    supervisor = _Supervisor(_free_port(), startup_timeout_s)
     # Stopped at exit, not when the block ends: Prefect sends the run's last logs and
     # events from threads it drains at interpreter exit, before `atexit` functions
     # run. Stopped earlier, those sends retried a vanished server for ~70 s.
-    atexit.register(stop_process, server)
-    url = f"http://127.0.0.1:{port}/api"
-    _wait_until_up(server, url, startup_timeout_s, errors)
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield url
+    atexit.register(supervisor.stop)
+    supervisor.start()
+    with temporary_settings(updates={PREFECT_API_URL: supervisor.url}):
+        yield supervisor.url
+
+
+class _Supervisor:
+    """One `prefect server start` on `port`, started again whenever it dies until `stop`.
+
+    Without it, a server killed mid-run left the run training on, blind: Prefect's client
+    retried each call for ~70 s before the run noticed its end, then the summary's
+    publishing failed and a completed run was landed as failed. The database (under
+    PREFECT_HOME) outlives the process, so the new server knows the run's flow and task
+    runs, and the client's retries reach it.
+    """
+
+    RESTARTS = 5  # a server that keeps dying is not helped by more
+
+    def __init__(self, port: int, startup_timeout_s: float) -> None:
+        self.url = f"http://127.0.0.1:{port}/api"
+        self.port, self.timeout_s = port, startup_timeout_s
+        self.server: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the server and wait until it answers; then watch it from a thread."""
+        self._launch()
+        threading.Thread(target=self._watch, name="prefect-api-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the server for good."""
+        self._stopping.set()
+        with self._lock:
+            if self.server is not None:
+                stop_process(self.server)
+
+    def _launch(self) -> None:
+        errors = tempfile.TemporaryFile()  # noqa: SIM115 (read if the server fails)
+        with self._lock:
+            if self._stopping.is_set():
+                return  # the run is exiting: no new server
+            self.server = server = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "prefect", "server", "start"),
+                    *("--host", "127.0.0.1", "--port", str(self.port)),
+                    *("--no-services", "--no-ui", "--log-level", "error"),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        _wait_until_up(server, self.url, self.timeout_s, errors)
+
+    def _watch(self) -> None:
+        for _ in range(self.RESTARTS):
+            while not self._stopping.wait(0.5):
+                if self.server is not None and self.server.poll() is not None:
+                    break
+            else:
+                return
+            if self._stopping.is_set():
+                return  # stopped by `stop` itself
+            code = self.server.returncode if self.server is not None else None
+            print(
+                f"the temporary Prefect API server on {self.url} exited (code {code}); "
+                "starting it again",
+                file=sys.stderr,
+            )
+            try:
+                self._launch()
+            except RuntimeError as exc:
+                print(exc, file=sys.stderr)
+                return
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

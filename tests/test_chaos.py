@@ -134,12 +134,12 @@ def test_capacity_errors_beyond_the_budget_fail_naming_it(reference):
     assert build_provider("local", str(root)).list({"run-id": "never-capacity"}) == []
 
 
-def _orchestrator(tmp_path: Path, name: str) -> subprocess.Popen:
-    """`tpupipe run` of a long tiny run, in a session of its own with its ephemeral API
-    server (as on a user's laptop); returns once the workload is training."""
+def _orchestrator(tmp_path: Path, name: str, steps: int = 100_000) -> subprocess.Popen:
+    """`tpupipe run` of a tiny run (long by default), in a session of its own with its
+    ephemeral API server (as on a user's laptop); returns once the workload is training."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
-    overrides = [f"storage.root={tmp_path}", f"run_name={name}", "train.steps=100000"]
+    overrides = [f"storage.root={tmp_path}", f"run_name={name}", f"train.steps={steps}"]
     command = [
         sys.executable,
         "-m",
@@ -275,6 +275,31 @@ def test_a_signal_ends_the_run_its_slice_and_its_api_server(tmp_path, prefect_ha
         for pid in processes_mentioning(str(tmp_path / "runs" / name / "config.json")):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_whose_api_server_is_killed_completes_and_lands_completed(tmp_path, prefect_harness):
+    # The OOM killer or a stray kill may take the run's temporary Prefect server. The run
+    # then trained on blind: its end was noticed ~70 s late (each Prefect call retried a
+    # vanished server), publishing its summary failed, and a completed run was landed as
+    # failed. The server is started again on the same port and database.
+    orchestrator = _orchestrator(tmp_path, "lost-api", steps=400)
+    try:
+        (server,) = _api_servers(orchestrator.pid)
+        os.kill(server, signal.SIGKILL)
+        assert orchestrator.wait(timeout=240) == 0
+        assert _flow_run_states(tmp_path / "prefect-home") == ["COMPLETED"]
+        sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+        ((status, steps),) = sink.query(
+            "SELECT status, final_step FROM runs WHERE run_id = 'lost-api'"
+        )
+        assert (status, steps) == ("completed", 400)
+        deadline = time.monotonic() + 30
+        while _api_servers(orchestrator.pid):  # the second server stopped with the run
+            assert time.monotonic() < deadline, "the restarted API server outlived the run"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(orchestrator.pid, signal.SIGKILL)
 
 
 def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(reference):
