@@ -336,6 +336,28 @@ def test_a_file_another_process_creates_meanwhile_is_kept_with_its_rows(tmp_path
     assert os.listdir(tmp_path) == ["m.duckdb"]
 
 
+def test_a_create_killed_mid_way_leaves_files_the_next_create_removes(tmp_path):
+    """A SIGKILL during a create leaves its `.creating` file (and WAL); the next create
+    removes those of dead processes and leaves a live process's create alone."""
+    dead = _finished_pid()
+    abandoned = [
+        tmp_path / f"m.duckdb.{dead}-0a1b2c3d.creating",
+        tmp_path / f"m.duckdb.{dead}-0a1b2c3d.creating.wal",
+    ]
+    live = tmp_path / f"m.duckdb.{os.getppid()}-99999999.creating"
+    for f in (*abandoned, live):
+        f.write_bytes(b"half a database")
+    DuckDBSink(tmp_path / "m.duckdb").land(run_row(), steps(), [])
+    assert sorted(os.listdir(tmp_path)) == ["m.duckdb", live.name]
+
+
+def _finished_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_a_filesystem_without_hard_links_still_gets_its_file(tmp_path, monkeypatch):
     def no_links(src, dst):
         raise PermissionError(errno.EPERM, "Operation not permitted")  # what vfat says

@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable
+from glob import escape as glob_escape
 from pathlib import Path
 
 import duckdb
@@ -79,6 +80,7 @@ def create_database(
     Raises:
         duckdb.Error / OSError: the create failed; nothing is left at `path` by it.
     """
+    _remove_abandoned(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.creating")
     wal = tmp.with_name(tmp.name + ".wal")
     try:
@@ -99,6 +101,26 @@ def create_database(
     finally:
         for leftover in (tmp, wal):
             leftover.unlink(missing_ok=True)
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove the temporary files of creates of `path` whose process is gone (a SIGKILL
+    mid-create leaves `<name>.<pid>-<hex>.creating`, and its `.wal`): nothing reads them,
+    and a user would wonder what they hold. A live process's are left to it."""
+    for leftover in path.parent.glob(f"{glob_escape(path.name)}.*.creating*"):
+        pid = leftover.name[len(path.name) + 1 :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _link_into_place(tmp: Path, path: Path) -> None:
