@@ -282,14 +282,15 @@ def exit_with(parent: int) -> None:
         if fd is not None:
             select.select([fd], [], [])
         else:
-            while _alive(parent):
+            while pid_alive(parent):
                 time.sleep(1.0)
         os._exit(1)  # no clean-up: the unfinished work is the next run's to redo
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (someone else's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

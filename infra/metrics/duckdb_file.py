@@ -18,6 +18,8 @@ from pathlib import Path
 
 import duckdb
 
+from workloads.shard_pool import pid_alive
+
 # A DuckDB file starts with a 4 KB main header (a checksum, then the magic bytes "DUCK" at
 # byte 8) and two 4 KB database headers: no complete database file is shorter than that.
 MAGIC = b"DUCK"
@@ -109,18 +111,8 @@ def _remove_abandoned(path: Path) -> None:
     and a user would wonder what they hold. A live process's are left to it."""
     for leftover in path.parent.glob(f"{glob_escape(path.name)}.*.creating*"):
         pid = leftover.name[len(path.name) + 1 :].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             leftover.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _link_into_place(tmp: Path, path: Path) -> None:
