@@ -14,6 +14,7 @@ from tests.helpers import read_sequences
 from workloads import data, input
 from workloads.config import EOD_TOKEN, DatasetConfig
 from workloads.data import DatasetError
+from workloads.shard_source import SequenceSource
 
 SEQ = 16
 
@@ -154,6 +155,68 @@ def test_incomplete_dataset_is_refused(tmp_path, dataset_dir):
         input.train_iterator(dataset_dir, 2, 0, shard_index=2, shard_count=2)
 
 
+def _copy(dataset_dir: str, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(dataset_dir, to))
+
+
+def test_a_damaged_or_foreign_shard_is_refused_naming_it(dataset_dir, tmp_path):
+    """A shard ArrayRecord cannot read gave a bare RuntimeError ('' or a Riegeli offset);
+    a shard of the same name and size from another build (ArrayRecord pads files to
+    64 KiB) passed every check and made batches of fewer rows than asked for."""
+    last = data.load_manifest(dataset_dir)["splits"]["train"]["shards"][-1]["name"]
+    truncated = _copy(dataset_dir, tmp_path / "truncated")
+    (truncated / last).write_bytes((truncated / last).read_bytes()[:65536])
+    with pytest.raises(DatasetError, match=f"dataset shard .*{last} is corrupt or truncated"):
+        input.train_iterator(truncated, 4, 0)
+
+    # Another build's shard: as many records, the last holding one sequence fewer.
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    from workloads.packing import writer_options
+
+    reader = ArrayRecordReader(str(Path(dataset_dir, last)))
+    records = reader.read_all()
+    reader.close()
+    other = tmp_path / "other.arrayrecord"
+    writer = ArrayRecordWriter(str(other), writer_options())
+    for record in [*records[:-1], records[-1][: -(SEQ + 1)]]:
+        writer.write(record)
+    writer.close()
+    foreign = _copy(dataset_dir, tmp_path / "foreign")
+    (foreign / last).write_bytes(other.read_bytes())
+    assert data.shards_present(foreign, data.load_manifest(foreign))  # the cheap check passes
+    it = input.train_iterator(foreign, 8, 0)
+    with pytest.raises(
+        DatasetError,
+        match=f"dataset shard .*{last}: its record .* the shard and its manifest disagree",
+    ):
+        for _ in range(100):  # two epochs: every sequence is read
+            assert next(it)["inputs"].shape == (8, SEQ)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["splits"]["eval"].update(shards=[]), "the eval split lists no shard"),
+        (lambda m: m["splits"]["train"]["shards"][0].update(records="64"), "records '64'"),
+        (lambda m: m["splits"]["train"]["shards"][0].update(records=-1), "records -1"),
+        (lambda m: m["record"].update(length=SEQ + 2), f"record length {SEQ + 2} is not seq_len"),
+    ],
+    ids=["no-eval-shard", "records-a-string", "records-negative", "record-length"],
+)
+def test_a_manifest_that_cannot_describe_its_shards_is_refused_naming_it(
+    dataset_dir, tmp_path, edit, message
+):
+    edited = _copy(dataset_dir, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    edit(manifest)
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=f"malformed manifest.json in {edited}: .*{message}"):
+        input.train_iterator(edited, 4, 0)
+
+
 def test_a_dataset_stored_as_uint16_by_an_older_version_reads_the_same(dataset_dir, tmp_path):
     """Format 4 stored byte ids as uint16 with EOD 256; a run that trained on such a
     dataset, resumed after an upgrade, must see the same batches and iterator positions."""
@@ -220,7 +283,7 @@ def test_sequences_are_found_across_records_and_shards_and_a_miscount_is_refused
         def __getitems__(self, indices):
             return [self[i] for i in indices]
 
-    source = input.SequenceSource(Records(records), counts, per, size)
+    source = SequenceSource(Records(records), counts, per, size)
     assert len(source) == 199
     assert [source[i] for i in range(len(source))] == sequences
     picks = [198, 0, 129, 130, 134, 135, 64, 63, 130]
@@ -228,7 +291,7 @@ def test_sequences_are_found_across_records_and_shards_and_a_miscount_is_refused
     with pytest.raises(IndexError):
         source[199]
     with pytest.raises(DatasetError, match="the shards hold 4 records, their manifest counts 5"):
-        input.SequenceSource(Records(records[:4]), counts, per, size)
+        SequenceSource(Records(records[:4]), counts, per, size)
 
 
 def test_shards_hold_several_sequences_a_record(dataset_dir):

@@ -8,13 +8,11 @@ eval split in order, padding the last batch instead of dropping real records.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import logging
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +20,8 @@ import grain
 import numpy as np
 
 from workloads.dataset_cache import local_dataset
-from workloads.manifest import (
-    load_manifest,
-    record_dtype,
-    sequences_per_record,
-    shard_paths,
-    stored_eod,
-)
-from workloads.sources import DatasetError
+from workloads.manifest import load_manifest
+from workloads.shard_source import record_stacker, split_source
 
 
 class _ChunkAdviceFilter(logging.Filter):
@@ -110,86 +102,6 @@ def decode_records(
     }
 
 
-def _split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]:
-    dataset_dir = local_dataset(dataset_dir)  # a gs:// dataset is read from a local copy
-    manifest = load_manifest(dataset_dir)
-    paths = shard_paths(dataset_dir, manifest, split)
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        # The reader would otherwise fail later with a less helpful C++ error.
-        raise DatasetError(f"dataset shard {missing[0]} listed in the manifest is missing")
-    records = grain.sources.ArrayRecordDataSource(paths)
-    per = sequences_per_record(manifest)
-    if per == 1:
-        return records, manifest
-    counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
-    size = manifest["record"]["length"] * record_dtype(manifest).itemsize
-    return SequenceSource(records, counts, per, size), manifest
-
-
-class SequenceSource:
-    """Random access to single sequences, over shards whose ArrayRecord records hold `per`
-    sequences each (a shard's last record the rest): what grain samples and batches.
-
-    Args:
-        records: The split's records, its shards in order.
-        counts: Sequences in each shard (the manifest's `records`).
-        per: Sequences per record (`record.sequences`).
-        sequence_bytes: Bytes of one sequence.
-    """
-
-    def __init__(self, records: Any, counts: Sequence[int], per: int, sequence_bytes: int):
-        self._records, self._per, self._bytes = records, per, sequence_bytes
-        # Python ints and `bisect`: numpy's per-item overhead cost the loader ~10%.
-        self._first_sequence = list(itertools.accumulate(counts, initial=0))
-        self._first_record = list(itertools.accumulate((-(-c // per) for c in counts), initial=0))
-        if self._first_record[-1] != len(records):
-            raise DatasetError(
-                f"the shards hold {len(records)} records, their manifest counts "
-                f"{self._first_record[-1]} ({self._first_sequence[-1]} sequences, {per} a record)"
-            )
-
-    def __len__(self) -> int:
-        return self._first_sequence[-1]
-
-    def _locate(self, index: int) -> tuple[int, int]:
-        """(record, byte offset in it) of sequence `index`."""
-        index = int(index)
-        if not 0 <= index < self._first_sequence[-1]:
-            raise IndexError(f"sequence {index} is not in [0, {len(self)})")
-        shard = bisect.bisect_right(self._first_sequence, index) - 1
-        within = index - self._first_sequence[shard]
-        return self._first_record[shard] + within // self._per, (within % self._per) * self._bytes
-
-    def __getitem__(self, index: int) -> bytes:
-        record, at = self._locate(index)
-        return self._records[record][at : at + self._bytes]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
-        where = [self._locate(i) for i in indices]
-        wanted = sorted({record for record, _ in where})
-        read = dict(zip(wanted, self._records.__getitems__(wanted), strict=True))
-        return [read[record][at : at + self._bytes] for record, at in where]
-
-
-def _stack(manifest: dict) -> Any:
-    """`stack(records)`: a batch of records as token ids, shape (batch, record length); the
-    stored EOD (0xFF in uint8 records) is given back as the tokenizer's EOD id."""
-    dtype, record_len = record_dtype(manifest), manifest["record"]["length"]
-    stored, eod = stored_eod(manifest), manifest["tokenizer"]["eod_token"]
-
-    def stack(records: Sequence[bytes]) -> np.ndarray:
-        # One frombuffer per batch rather than per record; a wrong length fails reshape.
-        raw = np.frombuffer(b"".join(records), dtype=dtype).reshape(-1, record_len)
-        if stored == eod:
-            return raw
-        ids = raw.astype(np.uint16)
-        ids[raw == stored] = eod
-        return ids
-
-    return stack
-
-
 # What each train_iterator's position means: its global batch size and seed (weakly held).
 # States carry them beside grain's own keys, which grain's set_state must not see.
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -227,11 +139,11 @@ def train_iterator(
         raise ValueError(f"shard_index={shard_index} is not in [0, shard_count={shard_count})")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
-    source, manifest = _split_source(dataset_dir, "train")
+    source, manifest = split_source(dataset_dir, "train")
     eod = manifest["tokenizer"]["eod_token"]
     ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat()
     ds = ds[shard_index::shard_count]
-    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack(manifest))
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=record_stacker(manifest))
     ds = ds.map(lambda raw: decode_records(raw, eod))
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
     it = iter(ds.to_iter_dataset(options))
@@ -293,9 +205,9 @@ def eval_batches(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
-    source, manifest = _split_source(dataset_dir, "eval")
+    source, manifest = split_source(dataset_dir, "eval")
     eod, length = manifest["tokenizer"]["eod_token"], manifest["record"]["length"]
-    stack = _stack(manifest)
+    stack = record_stacker(manifest)
     total = len(source)
     for b, start in enumerate(range(0, total, batch_size)):
         if b >= max_batches:

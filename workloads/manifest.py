@@ -54,9 +54,17 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
         if manifest["format_version"] not in READABLE_VERSIONS:
             raise ValueError(f"format_version {manifest['format_version']} is not readable")
         for split in SPLITS:
-            for shard in manifest["splits"][split]["shards"]:
-                _ = shard["name"], shard["records"], shard["sha256"]
-        _ = manifest["seq_len"], manifest["tokenizer"]["eod_token"]
+            shards = manifest["splits"][split]["shards"]
+            if not shards:
+                raise ValueError(f"the {split} split lists no shard")
+            for shard in shards:
+                _ = shard["name"], shard["sha256"]
+                if not _count(shard["records"]):
+                    raise ValueError(f"shard {shard['name']} records {shard['records']!r}")
+        seq_len, length = manifest["seq_len"], manifest["record"]["length"]
+        if not _count(seq_len) or length != seq_len + 1:
+            raise ValueError(f"record length {length!r} is not seq_len {seq_len!r} + 1")
+        _ = manifest["tokenizer"]["eod_token"]
         if not 0 <= stored_eod(manifest) <= np.iinfo(record_dtype(manifest)).max:
             raise ValueError(f"record eod {stored_eod(manifest)} does not fit its dtype")
         per = sequences_per_record(manifest)
@@ -65,6 +73,11 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
     return manifest
+
+
+def _count(value: object) -> bool:
+    """Whether `value` is a count: an int (not a bool) of at least 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def record_dtype(manifest: dict) -> np.dtype:

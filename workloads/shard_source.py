@@ -1,0 +1,174 @@
+"""The shards of one split as grain reads them: opened with each failure naming its shard,
+random access to single sequences over records that hold several (`SequenceSource`), and
+batches of them stacked as token ids (`record_stacker`). Used by `workloads.input`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from workloads.dataset_cache import local_dataset
+from workloads.manifest import (
+    load_manifest,
+    record_dtype,
+    sequences_per_record,
+    shard_paths,
+    stored_eod,
+)
+from workloads.sources import DatasetError
+
+
+def split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]:
+    dataset_dir = local_dataset(dataset_dir)  # a gs:// dataset is read from a local copy
+    manifest = load_manifest(dataset_dir)
+    paths = shard_paths(dataset_dir, manifest, split)
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        # The reader would otherwise fail later with a less helpful C++ error.
+        raise DatasetError(f"dataset shard {missing[0]} listed in the manifest is missing")
+    records = _open_shards(paths)
+    per = sequences_per_record(manifest)
+    if per == 1:
+        return records, manifest
+    counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
+    size = manifest["record"]["length"] * record_dtype(manifest).itemsize
+    return SequenceSource(records, counts, per, size, paths), manifest
+
+
+def _open_shards(paths: list[str]) -> Any:
+    """The shards as one grain source; a shard ArrayRecord cannot open (truncated, not an
+    ArrayRecord file) is named, where its error was a bare RuntimeError ('' or a Riegeli
+    byte offset) that left a user of 64 shards guessing which to replace."""
+    try:
+        return grain.sources.ArrayRecordDataSource(paths)
+    except RuntimeError as exc:
+        for path in paths:  # only after a failure: which one
+            try:
+                grain.sources.ArrayRecordDataSource([path])
+            except RuntimeError as bad:
+                raise unreadable_shard(path, bad) from None
+        raise DatasetError(f"the dataset shards {paths[0]}... cannot be opened: {exc}") from None
+
+
+def unreadable_shard(path: str, exc: Exception) -> DatasetError:
+    """The error for a shard whose bytes ArrayRecord refuses, naming it."""
+    reason = str(exc).strip() or type(exc).__name__
+    return DatasetError(
+        f"dataset shard {path} is corrupt or truncated ({reason[:300]}); shard the dataset "
+        "again (delete its directory) or restore the file"
+    )
+
+
+class SequenceSource:
+    """Random access to single sequences, over shards whose ArrayRecord records hold `per`
+    sequences each (a shard's last record the rest): what grain samples and batches.
+
+    A record too short for a sequence the manifest counts (a shard from another build of
+    the same name and size, an edited manifest) is refused naming its shard, as is a
+    record ArrayRecord cannot read: sliced short, it had made batches with fewer rows.
+
+    Args:
+        records: The split's records, its shards in order.
+        counts: Sequences in each shard (the manifest's `records`).
+        per: Sequences per record (`record.sequences`).
+        sequence_bytes: Bytes of one sequence.
+        paths: The shards' paths, in the same order (named in errors).
+    """
+
+    def __init__(
+        self,
+        records: Any,
+        counts: Sequence[int],
+        per: int,
+        sequence_bytes: int,
+        paths: Sequence[str] = (),
+    ):
+        self._records, self._per, self._bytes = records, per, sequence_bytes
+        self._paths = list(paths)
+        # Python ints and `bisect`: numpy's per-item overhead cost the loader ~10%.
+        self._first_sequence = list(itertools.accumulate(counts, initial=0))
+        self._first_record = list(itertools.accumulate((-(-c // per) for c in counts), initial=0))
+        if self._first_record[-1] != len(records):
+            raise DatasetError(
+                f"the shards hold {len(records)} records, their manifest counts "
+                f"{self._first_record[-1]} ({self._first_sequence[-1]} sequences, {per} a record)"
+            )
+
+    def __len__(self) -> int:
+        return self._first_sequence[-1]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(record, byte offset in it) of sequence `index`."""
+        index = int(index)
+        if not 0 <= index < self._first_sequence[-1]:
+            raise IndexError(f"sequence {index} is not in [0, {len(self)})")
+        shard = bisect.bisect_right(self._first_sequence, index) - 1
+        within = index - self._first_sequence[shard]
+        return self._first_record[shard] + within // self._per, (within % self._per) * self._bytes
+
+    def __getitem__(self, index: int) -> bytes:
+        record, at = self._locate(index)
+        try:
+            data = self._records[record]
+        except RuntimeError as exc:
+            raise unreadable_shard(self._shard_of(record), exc) from None
+        return self._sequence(data, record, at)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
+        where = [self._locate(i) for i in indices]
+        wanted = sorted({record for record, _ in where})
+        try:
+            got = self._records.__getitems__(wanted)
+        except RuntimeError:
+            return [self[i] for i in indices]  # one by one: the failing read names its shard
+        read = dict(zip(wanted, got, strict=True))
+        return [self._sequence(read[record], record, at) for record, at in where]
+
+    def _sequence(self, data: bytes, record: int, at: int) -> bytes:
+        sequence = data[at : at + self._bytes]
+        if len(sequence) != self._bytes:
+            shard = bisect.bisect_right(self._first_record, record) - 1
+            raise DatasetError(
+                f"dataset shard {self._shard_of(record)}: its record "
+                f"{record - self._first_record[shard]} holds {len(data)} bytes, too few for "
+                f"the sequences its manifest counts: the shard and its manifest disagree (a "
+                "shard from another build, an edited manifest); shard the dataset again "
+                "(delete its directory)"
+            )
+        return sequence
+
+    def _shard_of(self, record: int) -> str:
+        shard = bisect.bisect_right(self._first_record, record) - 1
+        return self._paths[shard] if shard < len(self._paths) else f"number {shard}"
+
+
+def record_stacker(manifest: dict) -> Any:
+    """`stack(records)`: a batch of records as token ids, shape (batch, record length); the
+    stored EOD (0xFF in uint8 records) is given back as the tokenizer's EOD id."""
+    dtype, record_len = record_dtype(manifest), manifest["record"]["length"]
+    stored, eod = stored_eod(manifest), manifest["tokenizer"]["eod_token"]
+
+    def stack(records: Sequence[bytes]) -> np.ndarray:
+        # One frombuffer per batch rather than per record.
+        joined = b"".join(records)
+        if len(joined) != len(records) * record_len * dtype.itemsize:
+            # A short record would otherwise make a batch of fewer rows, whole ones.
+            raise DatasetError(
+                f"a dataset record holds other than {record_len} {dtype.name} ids (the "
+                "manifest's record.length): the shards and their manifest disagree"
+            )
+        raw = np.frombuffer(joined, dtype=dtype).reshape(-1, record_len)
+        if stored == eod:
+            return raw
+        ids = raw.astype(np.uint16)
+        ids[raw == stored] = eod
+        return ids
+
+    return stack
