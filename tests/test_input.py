@@ -267,6 +267,9 @@ def test_a_state_resumes_only_the_same_global_batch_and_seed(dataset_dir):
     old = input.train_iterator(dataset_dir, 4, seed=1)
     input.restore_iterator_state(old, {"next_index": saved["next_index"]})
     np.testing.assert_array_equal(next(old)["inputs"], want)
+    # Not a saved state at all (grain said only "KeyError: 'next_index'").
+    with pytest.raises(ValueError, match="iterator state with keys \\[\\] lacks 'next_index'"):
+        input.restore_iterator_state(input.train_iterator(dataset_dir, 4, seed=1), {})
 
 
 def test_sequences_are_found_across_records_and_shards_and_a_miscount_is_refused():

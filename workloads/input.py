@@ -169,7 +169,7 @@ def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
     Raises:
         ValueError: the state was saved with another global batch size or seed, where the
             same count of batches is another place in another stream (a state saved before
-            these were recorded is taken as it is).
+            these were recorded is taken as it is), or it is not such a state at all.
     """
     layout = _LAYOUTS.get(it, {})
     for key, value in layout.items():
@@ -178,7 +178,13 @@ def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
                 f"iterator state saved with {key}={state[key]} cannot resume an iterator with "
                 f"{key}={value}: the batches it counts are not this iterator's"
             )
-    it.set_state({k: v for k, v in state.items() if k not in _LAYOUT_KEYS})
+    try:
+        it.set_state({k: v for k, v in state.items() if k not in _LAYOUT_KEYS})
+    except KeyError as exc:  # grain's own message is the bare key
+        raise ValueError(
+            f"iterator state with keys {sorted(state)} lacks {exc}: not a state "
+            "iterator_state_to_json saved"
+        ) from None
 
 
 def _jsonable(value: Any) -> Any:
