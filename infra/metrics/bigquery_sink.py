@@ -18,6 +18,9 @@ and its `runs` row keeps the stored results it has no value for (the landing rul
 `infra.metrics.rows`): an interrupted rerun of a finished run keeps its evaluation. A
 sweep's trials (`sweeps`) land the same way as a completed run's, scoped by `sweep_id`
 instead of `run_id`.
+
+The schemas and SQL text the sink sends are built in `infra.metrics.bigquery_sql`; every
+call to BigQuery, with its retries (`RETRY`) and time limits, is made here.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import bigquery
 
 from infra.gcp.retries import logged_retry
+from infra.metrics.bigquery_sql import bq_schema, changed_types, dedupe, merge_sql, sql_literal
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -45,21 +49,9 @@ from infra.metrics.rows import (
     TableRow,
     one_sweep_id,
     replaces_landed,
-    table_schema,
 )
 
-# The row models speak DuckDB types; these are their BigQuery names.
-BQ_TYPES = {
-    "VARCHAR": "STRING",
-    "BIGINT": "INT64",
-    "DOUBLE": "FLOAT64",
-    "BOOLEAN": "BOOL",
-    "TIMESTAMPTZ": "TIMESTAMP",
-}
 STAGING_TTL = dt.timedelta(days=1)
-# The API may answer with the legacy SQL names of the types.
-_LEGACY = {"INTEGER": "INT64", "FLOAT": "FLOAT64", "BOOLEAN": "BOOL"}
-_SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")
 # Transient errors of one call; a landing as a whole is safe to re-run anyway. The
 # BigQuery library's own predicate, not a list of status codes: BigQuery answers its rate
 # limits (e.g. too many updates of one table's metadata) with 403 rateLimitExceeded, which
@@ -80,16 +72,6 @@ class SchemaError(RuntimeError):
 
 class LocationError(RuntimeError):
     """The dataset exists in another location than the sink's jobs run in."""
-
-
-def bq_schema(model: type[TableRow]) -> list[bigquery.SchemaField]:
-    """BigQuery columns of a row model's table, in field order."""
-    return [
-        bigquery.SchemaField(
-            c.name, BQ_TYPES[c.type], mode="NULLABLE" if c.nullable else "REQUIRED"
-        )
-        for c in table_schema(model)
-    ]
 
 
 class BigQuerySink:
@@ -179,7 +161,7 @@ class BigQuerySink:
             raise ValueError(f"rows of other runs {sorted(strays)} given to land {run.run_id!r}")
         if not self._ready:
             self.ensure_tables()
-        by_table = {RunRow.table: [run], **_dedupe([*steps, *evals])}
+        by_table = {RunRow.table: [run], **dedupe([*steps, *evals])}
         replace = replaces_landed(run)
         statements = []
         for model in self.models:
@@ -189,7 +171,7 @@ class BigQuerySink:
                 statements.append(self._merge_sql(model, run.run_id, replace=replace))
             elif replace:
                 statements.append(
-                    f"DELETE FROM `{self._table(model)}` WHERE run_id = {_literal(run.run_id)}"
+                    f"DELETE FROM `{self._table(model)}` WHERE run_id = {sql_literal(run.run_id)}"
                 )
         script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
         with _naming(f"landing run {run.run_id} into {self.dataset} (one transaction)"):
@@ -222,7 +204,7 @@ class BigQuerySink:
         if not self._ready:
             self.ensure_tables()
         self._ensure_table(SweepRow)
-        trials = _dedupe(rows)[SweepRow.table]
+        trials = dedupe(rows)[SweepRow.table]
         self._stage(SweepRow, sweep_id, trials)
         merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
         with _naming(f"landing sweep {sweep_id} into {self._table(SweepRow)}"):
@@ -268,18 +250,13 @@ class BigQuerySink:
 
     def _add_columns(self, model: type[TableRow], have: dict[str, str]) -> None:
         """Add the model's columns the table lacks; refuse a column whose type changed."""
-        fields = bq_schema(model)
-        changed = [
-            f"{f.name} {have[f.name]} -> {f.field_type}"
-            for f in fields
-            if f.name in have and _LEGACY.get(have[f.name], have[f.name]) != f.field_type
-        ]
+        changed = changed_types(model, have)
         if changed:
             raise SchemaError(
                 f"{self._table(model)}: column types changed ({', '.join(changed)}); BigQuery "
                 "cannot convert them in place: add a new column instead"
             )
-        for field in (f for f in fields if f.name not in have):
+        for field in (f for f in bq_schema(model) if f.name not in have):
             # Always NULLABLE, even for a field the model requires: the rows already in the
             # table have no value for it. DDL rather than a schema patch, and IF NOT EXISTS,
             # so a concurrent or repeated migration is harmless.
@@ -324,36 +301,9 @@ class BigQuerySink:
         scope_column: str = "run_id",
         replace: bool = True,
     ) -> str:
-        # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
-        # replace=False (a failed run's landing) deletes nothing, and a result column the
-        # new row has no value for keeps its stored one. An earliest column (the run's
-        # `started_at`) never moves later.
-        columns = [c.name for c in table_schema(model)]
-        key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
-        kept = () if replace else model.result_fields
-        updates = ", ".join(
-            f"{c} = LEAST(S.{c}, T.{c})"
-            if c in model.earliest_fields
-            else f"{c} = COALESCE(S.{c}, T.{c})"
-            if c in kept
-            else f"{c} = S.{c}"
-            for c in columns
-            if c not in model.primary_key
-        )
-        names = ", ".join(columns)
-        values = ", ".join(f"S.{c}" for c in columns)
-        delete = (
-            f"\nWHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {_literal(scope)} THEN DELETE"
-            if replace
-            else ""
-        )
-        return (
-            f"MERGE `{self._table(model)}` T\n"
-            f"USING `{self._staging(model, scope)}` S\nON {key}\n"
-            f"WHEN MATCHED THEN UPDATE SET {updates}\n"
-            f"WHEN NOT MATCHED BY TARGET THEN INSERT ({names}) VALUES ({values})"
-            f"{delete}"
-        )
+        """The MERGE of `scope`'s staging table into the model's (`bigquery_sql.merge_sql`)."""
+        staging = self._staging(model, scope)
+        return merge_sql(model, self._table(model), staging, scope, scope_column, replace)
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:
         params = [bigquery.ScalarQueryParameter("run_id", "STRING", run_id)] if run_id else []
@@ -381,27 +331,3 @@ def _naming(place: str) -> Iterator[None]:
     except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
         exc.message = f"{place}: {exc.message}"
         raise
-
-
-def _literal(run_id: str) -> str:
-    """`run_id` as a SQL string literal, for the transaction script.
-
-    Query parameters would be the usual way, and BigQuery accepts them in scripts, but
-    the emulator does not; a run id restricted to characters that need no escaping is as
-    safe (run names are `[a-z0-9-]` anyway).
-
-    Raises:
-        ValueError: the run id holds other characters.
-    """
-    if not _SAFE_RUN_ID.match(run_id):
-        raise ValueError(f"run id {run_id!r} must match {_SAFE_RUN_ID.pattern} to be landed")
-    return f"'{run_id}'"
-
-
-def _dedupe(rows: Sequence[TableRow]) -> dict[str, list[TableRow]]:
-    """Rows per table, the last one per primary key kept (the re-run after a resume is
-    the one that counted), in key order."""
-    out: dict[str, dict[tuple, TableRow]] = {}
-    for row in rows:
-        out.setdefault(row.table, {})[tuple(getattr(row, k) for k in row.primary_key)] = row
-    return {table: [keyed[k] for k in sorted(keyed)] for table, keyed in out.items()}
