@@ -120,25 +120,32 @@ class _Supervisor:
         _wait_until_up(server, self.url, self.timeout_s, errors)
 
     def _watch(self) -> None:
-        for _ in range(self.RESTARTS):
-            while not self._stopping.wait(0.5):
-                if self.server is not None and self.server.poll() is not None:
-                    break
-            else:
-                return
+        # This thread outlives every server it starts: PR_SET_PDEATHSIG fires when the
+        # thread that forked the child ends, not the process, so returning early would
+        # stop the server it just started.
+        restarts = 0
+        while not self._stopping.wait(0.5):
+            if self.server is None or self.server.poll() is None:
+                continue
             if self._stopping.is_set():
-                return  # stopped by `stop` itself
-            code = self.server.returncode if self.server is not None else None
+                break  # stopped by `stop` itself
             print(
-                f"the temporary Prefect API server on {self.url} exited (code {code}); "
-                "starting it again",
+                f"the temporary Prefect API server on {self.url} exited (code "
+                f"{self.server.returncode}); "
+                + (
+                    "starting it again" if restarts < self.RESTARTS else "not again: it keeps dying"
+                ),
                 file=sys.stderr,
             )
+            if restarts == self.RESTARTS:
+                break
+            restarts += 1
             try:
                 self._launch()
             except RuntimeError as exc:
                 print(exc, file=sys.stderr)
-                return
+                break
+        self._stopping.wait()
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
