@@ -26,6 +26,12 @@ from workloads.sources import DatasetError
 
 
 def split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]:
+    """One split's sequences as a grain source (`SequenceSource`, or the records themselves
+    where a record holds one sequence), and the dataset's manifest.
+
+    Raises:
+        DatasetError: the manifest is malformed, or a shard is missing or unreadable.
+    """
     dataset_dir = local_dataset(dataset_dir)  # a gs:// dataset is read from a local copy
     manifest = load_manifest(dataset_dir)
     paths = shard_paths(dataset_dir, manifest, split)
@@ -118,7 +124,7 @@ class SequenceSource:
         try:
             data = self._records[record]
         except RuntimeError as exc:
-            raise unreadable_shard(self._shard_of(record), exc) from None
+            raise unreadable_shard(self._shard_of(record)[0], exc) from None
         return self._sequence(data, record, at)
 
     def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
@@ -134,19 +140,20 @@ class SequenceSource:
     def _sequence(self, data: bytes, record: int, at: int) -> bytes:
         sequence = data[at : at + self._bytes]
         if len(sequence) != self._bytes:
-            shard = bisect.bisect_right(self._first_record, record) - 1
+            path, within = self._shard_of(record)
             raise DatasetError(
-                f"dataset shard {self._shard_of(record)}: its record "
-                f"{record - self._first_record[shard]} holds {len(data)} bytes, too few for "
+                f"dataset shard {path}: its record {within} holds {len(data)} bytes, too few for "
                 f"the sequences its manifest counts: the shard and its manifest disagree (a "
                 "shard from another build, an edited manifest); shard the dataset again "
                 "(delete its directory)"
             )
         return sequence
 
-    def _shard_of(self, record: int) -> str:
+    def _shard_of(self, record: int) -> tuple[str, int]:
+        """The shard holding `record` (its path, if known) and the record's index in it."""
         shard = bisect.bisect_right(self._first_record, record) - 1
-        return self._paths[shard] if shard < len(self._paths) else f"number {shard}"
+        path = self._paths[shard] if shard < len(self._paths) else f"number {shard}"
+        return path, record - self._first_record[shard]
 
 
 def record_stacker(manifest: dict) -> Any:
