@@ -68,7 +68,7 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
         if not 0 <= stored_eod(manifest) <= np.iinfo(record_dtype(manifest)).max:
             raise ValueError(f"record eod {stored_eod(manifest)} does not fit its dtype")
         per = sequences_per_record(manifest)
-        if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+        if not _count(per) or per < 1:
             raise ValueError(f"record sequences {per!r} is not a positive integer")
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
