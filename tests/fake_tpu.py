@@ -170,6 +170,15 @@ class FakeTpuApi:
         if self.on_gone:
             self.on_gone(zone, node_id, node)
 
+    def reclaim(self, zone: str, qr_id: str, state: str = "SUSPENDED") -> None:
+        """Spot capacity taken back through its queued resource: the request turns
+        SUSPENDING or SUSPENDED ("the resources ... have been deleted") and its node goes."""
+        with self._lock:
+            self.queued[(zone, qr_id)]["state"] = {"state": state}
+            node = self.nodes.pop((zone, qr_id), None)
+        if node is not None and self.on_gone:
+            self.on_gone(zone, qr_id, node)
+
     # -- request handling --------------------------------------------------------------
 
     def handle(self, method: str, raw_path: str, body: dict) -> tuple[int, Any]:

@@ -58,6 +58,9 @@ __all__ = ["CapacityError", "GcpSliceProvider", "TpuPermissionError"]
 log = logging.getLogger(__name__)
 
 _QR = tpu_v2.QueuedResourceState.State
+# A spot request whose TPUs were taken back (by the service: a spot reclaim) or are being:
+# its node is gone or going, and the slice must be re-created, as after a preemption.
+_QR_RECLAIMED = (_QR.SUSPENDING, _QR.SUSPENDED)
 
 
 class GcpSliceProvider(TpuZones):
@@ -103,6 +106,18 @@ class GcpSliceProvider(TpuZones):
             if state in ("READY", "CREATING"):
                 raise SliceError(f"slice {spec.name!r} already exists ({state}); delete it first")
             log.info("deleting %s slice %s before re-creating it", state, spec.name)
+            self.delete(spec.name)
+        elif (queued := self._find_queued(spec.name)) is not None and queued[1].state.state in (
+            _QR.FAILED,
+            *_QR_RECLAIMED,
+        ):
+            # An ended spot request holds no TPU but keeps its name taken: one that expired
+            # or was reclaimed while no orchestrator watched would refuse every re-create.
+            log.info(
+                "deleting %s spot request %s before re-creating it",
+                queued[1].state.state.name,
+                spec.name,
+            )
             self.delete(spec.name)
         launch_id = secrets.token_hex(4)
         labels = validate_labels(
@@ -161,9 +176,10 @@ class GcpSliceProvider(TpuZones):
         found = self._find_node(name)
         if found is None:
             waiting = self._find_queued(name)
-            if waiting is not None and waiting[1].state.state not in (_QR.FAILED, _QR.DELETING):
-                labels = dict(waiting[1].tpu.node_spec[0].node.labels)
-                return SliceStatus(name, SliceState.CREATING, None, labels)
+            if waiting is not None:
+                state = _request_state(waiting[1])
+                if state is not SliceState.NOT_FOUND:
+                    return SliceStatus(name, state, None, _request_labels(waiting[1]))
             return SliceStatus(name, SliceState.NOT_FOUND)
         _, node = found
         state, labels = SliceState(protocol_state(node.state)), dict(node.labels)
@@ -189,15 +205,17 @@ class GcpSliceProvider(TpuZones):
         """
         del grace_s
         validate_name(name)
-        deleted, failed = False, []
+        deleted, failed, denied = False, [], None
         with self._denied("delete"):
             for zone in list(self._zones_for(name)):
                 try:
                     deleted = self._delete_in(zone, name) or deleted
-                except gexc.Forbidden:
-                    raise
+                except gexc.Forbidden as e:  # raised once every other zone was cleared
+                    denied = denied or gexc.Forbidden(f"in {zone}: {e.message}")
                 except (gexc.GoogleAPICallError, gexc.RetryError) as e:
                     failed.append(f"{zone}: {e}")
+            if denied is not None:
+                raise denied  # `_denied` names the API and the role to grant
         if failed:
             raise SliceError(f"slice {name!r} could not be deleted in {'; '.join(failed)}")
         if not deleted and name in self._unanswered:
@@ -246,10 +264,9 @@ class GcpSliceProvider(TpuZones):
         # earlier config still holds a place in the queue and must be found to be cancelled.
         for qr in self._call(self.tpu.list_queued_resources, parent=self._parent(zone)):
             spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
-            if spec and qr.state.state not in (_QR.ACTIVE, _QR.FAILED, _QR.DELETING):
-                found[spec.node_id] = SliceStatus(
-                    spec.node_id, SliceState.CREATING, None, dict(spec.node.labels)
-                )
+            state = _request_state(qr)
+            if spec and state is not SliceState.NOT_FOUND and qr.state.state != _QR.ACTIVE:
+                found[spec.node_id] = SliceStatus(spec.node_id, state, None, _request_labels(qr))
         for node in self._call(self.tpu.list_nodes, parent=self._parent(zone)):
             name = node.name.rsplit("/", 1)[-1]
             found[name] = SliceStatus(
@@ -265,3 +282,18 @@ class GcpSliceProvider(TpuZones):
             yield
         except gexc.Forbidden as e:  # PermissionDenied, or the API not enabled
             raise permission_error(what, self.settings, e) from None
+
+
+def _request_state(qr: tpu_v2.QueuedResource) -> SliceState:
+    """What a spot request without its node means for the slice: CREATING while it waits,
+    PREEMPTED once the service took its TPUs back (SUSPENDING, SUSPENDED: the watch then
+    re-creates the slice at once, not after the heartbeat timeout), NOT_FOUND once it
+    failed or is being deleted."""
+    state = qr.state.state
+    if state in _QR_RECLAIMED:
+        return SliceState.PREEMPTED
+    return SliceState.NOT_FOUND if state in (_QR.FAILED, _QR.DELETING) else SliceState.CREATING
+
+
+def _request_labels(qr: tpu_v2.QueuedResource) -> dict[str, str]:
+    return dict(qr.tpu.node_spec[0].node.labels) if qr.tpu.node_spec else {}

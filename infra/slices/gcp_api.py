@@ -137,6 +137,11 @@ def exit_status(storage: Any, node: tpu_v2.Node) -> tuple[int, str | None] | Non
             f"{e.message}. Grant the orchestrator's identity roles/storage.objectViewer "
             f"on gs://{bucket}"
         ) from e
+    except gexc.NotFound as e:  # the bucket: a record listed but gone is not an answer either
+        raise SliceError(
+            f"cannot read the workers' exit records under {uri}: {e.message} (was the bucket "
+            f"gs://{bucket} deleted during the run?)"
+        ) from e
     failed = [r for _, r in sorted(records.items()) if int(r["exit_code"]) != 0]
     if failed:  # one dead worker stalls the rest in their collectives
         return int(failed[0]["exit_code"]), startup_failure(failed[0], node)

@@ -10,7 +10,8 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from infra.slices.base import ProvisioningError, SliceError, SliceState
-from tests.emulator.test_tpu_provider import PROJECT, FakeClock, make_provider, spec
+from infra.slices.gcp import TpuPermissionError
+from tests.emulator.test_tpu_provider import LABELS, PROJECT, FakeClock, make_provider, spec
 from tests.fake_tpu import RESET
 
 pytestmark = pytest.mark.emulator
@@ -188,3 +189,60 @@ def test_an_interrupted_create_that_never_lands_is_watched_for_late_create_s(fak
     assert provider.delete("tpupipe-r1") is False
     assert 2.0 <= clock.now - started <= 2.1
     fake.hold_creates.set()
+
+
+def test_a_zone_that_answers_403_to_the_delete_does_not_shield_the_slice_in_another(fake_tpu):
+    fake, host = fake_tpu
+    fake.create_errors["us-west4-a"] = [("op", 8, "no capacity")]
+    make_provider(host, zones=ZONES, provision_attempts=1).create(spec())
+    assert [zone for zone, _ in fake.nodes] == ["us-east5-b"]
+    # The reaper, a new provider, tries the first zone first; it now refuses TPU calls.
+    qr = f"/v2/projects/{PROJECT}/locations/us-west4-a/queuedResources/tpupipe-r1"
+    fake.faults = [("DELETE", qr, 403)]
+
+    with pytest.raises(TpuPermissionError, match="refused to delete TPUs .*: in us-west4-a: DELETE"):
+        make_provider(host, zones=ZONES).delete("tpupipe-r1")
+    assert fake.nodes == {}  # the billed node in the fallback zone was deleted all the same
+
+
+@pytest.mark.parametrize("state", ["SUSPENDED", "SUSPENDING"])
+def test_a_reclaimed_spot_slice_reads_as_preempted_and_is_created_again(fake_tpu, state):
+    fake, host = fake_tpu
+    provider = make_provider(host, capacity="spot")
+    provider.create(spec())
+    fake.reclaim("us-west4-a", "tpupipe-r1", state)
+
+    # Not CREATING: the watch re-creates a PREEMPTED slice at once, and waited out its
+    # heartbeat timeout (900 s in configs/v5e-8-spot.yaml) for a CREATING one.
+    assert provider.status("tpupipe-r1").state is SliceState.PREEMPTED
+    listed = make_provider(host).list({"run-id": "r1"})
+    assert [(s.name, s.state) for s in listed] == [("tpupipe-r1", SliceState.PREEMPTED)]
+    assert provider.create(spec()).state is SliceState.READY
+
+
+def test_a_spot_request_that_expired_unwatched_does_not_block_the_next_create(fake_tpu):
+    fake, host = fake_tpu
+    fake.spot_waits = True
+    provider = make_provider(host, capacity="spot", queue_timeout_s=1e9)
+    qr = fake.queued[("us-west4-a", "tpupipe-r1")] = {
+        "name": f"projects/{PROJECT}/locations/us-west4-a/queuedResources/tpupipe-r1",
+        "tpu": {"nodeSpec": [{"nodeId": "tpupipe-r1", "node": {"labels": LABELS}}]},
+        "state": {"state": "FAILED", "failedData": {"error": {"code": 8, "message": "expired"}}},
+    }
+    assert qr and provider.status("tpupipe-r1").state is SliceState.NOT_FOUND
+
+    fake.spot_waits = False  # capacity now: the new request is served
+    assert provider.create(spec()).state is SliceState.READY  # was "already exists"
+
+
+def test_a_deleted_exit_record_bucket_ends_the_watch_naming_it(fake_tpu):
+    class NoBucket:
+        def list_blobs(self, bucket, prefix=None, retry=None):
+            raise gexc.NotFound("The specified bucket does not exist.")
+
+    _fake, host = fake_tpu
+    provider = make_provider(host, storage=NoBucket())
+    provider.create(spec())
+
+    with pytest.raises(SliceError, match="gs://bucket deleted during the run"):
+        provider.status("tpupipe-r1")
