@@ -4,7 +4,9 @@ Dataset sharding (`workloads.data`) reads `scheme://` sources only through an ob
 this shape, so the workload code never imports a cloud SDK. Generations make reads exact:
 a listing records each object's generation (a local file's `st_mtime_ns`), and `open` with
 that generation fails with `FileNotFoundError` once the object has been replaced, instead
-of silently reading other bytes than the dataset fingerprint covers.
+of silently reading other bytes than the dataset fingerprint covers. Any other failure to
+read is an `OSError` too (`PermissionError` for a refusal), never a cloud SDK's exception:
+the workload code names the source with it, in whichever process it was read.
 
 Storage objects travel to sharding worker processes by pickling. A `GCSStorage` does not
 pickle its client (clients hold sockets and locks); the copy in a worker builds its own from
@@ -53,6 +55,8 @@ class Storage(Protocol):
         Raises:
             FileNotFoundError: no such object, or not of `generation`; also raised by
                 the reader's reads (`ObjectChangedError`) if the object changes under it.
+            OSError: the object cannot be read (`PermissionError`: refused), by `open` or
+                by the reader's reads; `strerror` says why, `filename` is the URI.
         """
         ...
 
@@ -139,12 +143,16 @@ class GCSStorage:
         per `read_chunk` bytes, each byte downloaded once if read front to back."""
         from google.api_core import exceptions
 
+        from infra.gcp.storage_errors import FINAL_ERRORS, read_error
+
         bucket, name = _split(uri)
         blob = self.client.bucket(bucket).blob(name, generation=generation)
         try:
             blob.reload()  # fails now, not mid-read, if that generation is gone; gives the size
         except exceptions.NotFound as exc:
             raise FileNotFoundError(f"{uri} (generation {generation}) not found") from exc
+        except FINAL_ERRORS as exc:  # a 403, say: an OSError naming the object
+            raise read_error(uri, exc) from exc
         reader = io.BufferedReader(_ObjectReader(blob, uri), buffer_size=self._read_chunk)
         return reader  # type: ignore[return-value]
 
@@ -156,8 +164,10 @@ class _ObjectReader(io.RawIOBase):
     every read at the end). A range that comes back 404 (real GCS's media URL names the
     generation), 412 (`ifGenerationMatch`), 416 or short means the object was replaced
     while read: `ObjectChangedError`, never a silent end of file that would cut the
-    dataset at a chunk boundary. Stored bytes are read as stored (`raw_download`), so a
-    gzip-encoded object is not transcoded and ranges count the object's own bytes.
+    dataset at a chunk boundary; any other error the library gives up on (a 403) is an
+    `OSError` naming the object (`storage_errors.read_error`). Stored bytes are read as
+    stored (`raw_download`), so a gzip-encoded object is not transcoded and ranges count
+    the object's own bytes.
     """
 
     def __init__(self, blob: Any, uri: str):
@@ -195,6 +205,8 @@ class _ObjectReader(io.RawIOBase):
             return b""
         from google.api_core import exceptions
 
+        from infra.gcp.storage_errors import FINAL_ERRORS, read_error
+
         generation = self._blob.generation
         try:
             data = self._blob.download_as_bytes(
@@ -210,6 +222,8 @@ class _ObjectReader(io.RawIOBase):
             exceptions.RequestRangeNotSatisfiable,
         ) as exc:
             raise ObjectChangedError(f"{self._uri} (generation {generation}) changed") from exc
+        except FINAL_ERRORS as exc:
+            raise read_error(self._uri, exc) from exc
         if len(data) != n:
             raise ObjectChangedError(
                 f"{self._uri} (generation {generation}) changed: {len(data)} bytes at offset "

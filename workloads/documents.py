@@ -38,7 +38,14 @@ from workloads.documents_text import (
     text_lines,
     utf8,
 )
-from workloads.sources import DatasetError, SourceFile, SourceStore, changed, open_source
+from workloads.sources import (
+    DatasetError,
+    SourceFile,
+    SourceStore,
+    changed,
+    open_source,
+    unreadable,
+)
 
 if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
     from workloads.config import DatasetConfig
@@ -117,8 +124,8 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
             yield from jsonl_documents(stream, src, opts, where, start)
     except FileNotFoundError as exc:  # a store's object replaced while read: not bad data
         raise changed(src) from exc
-    except compression.ERRORS as exc:  # e.g. a truncated or corrupt compressed stream
-        raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
+    except compression.ERRORS as exc:  # a corrupt compressed stream; a store's refusal
+        raise unreadable(src, exc) from exc
 
 
 def lone_cr_hint(

@@ -25,9 +25,9 @@ def parquet_documents(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterat
     field = cfg.text_field
     try:
         pf = pq.ParquetFile(fh)
-    except FileNotFoundError:
-        raise  # the object changed while read (iter_documents says so)
     except (pa.ArrowException, OSError) as exc:
+        if _failed_to_read(exc):
+            raise  # iter_documents says so
         raise DatasetError(f"{src.uri}: not a readable Parquet file: {exc}") from None
     schema = pf.schema_arrow
     path = _column_path(schema, field, src.uri)
@@ -57,9 +57,9 @@ def parquet_documents(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterat
             column = pf.reader.read_row_group(group, column_indices=[leaf]).column(0)
             for child in path[1:]:  # a nested column is read as its parents' structs
                 column = pc.struct_field(column, child.name)
-        except FileNotFoundError:
-            raise
         except (pa.ArrowException, OSError) as exc:
+            if _failed_to_read(exc):
+                raise
             raise DatasetError(
                 f"{src.uri}: cannot read column {field!r} of row group {group}: {exc}"
             ) from None
@@ -74,6 +74,14 @@ def parquet_documents(fh: BinaryIO, src: SourceFile, cfg: ReadOptions) -> Iterat
                 value = utf8(value, place, 0, cfg.errors, "of the value")
             yield value
             row += 1
+
+
+def _failed_to_read(exc: Exception) -> bool:
+    """Whether pyarrow passed on an error of the file's reads, not of its content: the
+    object changed (`FileNotFoundError`) or the store refused it (a 403), which carry an
+    errno as a disk's read error does; pyarrow's own errors about the format have none.
+    Such a file may be a perfectly good Parquet file."""
+    return isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) is not None
 
 
 def _column_path(schema: object, field: str, uri: str) -> list | None:

@@ -33,7 +33,9 @@ class SourceStore(Protocol):
 
     def open(self, uri: str, generation: int | None = None) -> BinaryIO:
         """A binary, seekable reader of `uri`, of exactly `generation` when given; its
-        reads raise `FileNotFoundError` if the object changes while it is read."""
+        reads raise `FileNotFoundError` if the object changes while it is read. Any
+        other failure, by `open` or a read, is an `OSError` whose `strerror` says why
+        (`PermissionError`: refused), never a cloud SDK's own exception."""
         ...
 
 
@@ -75,7 +77,7 @@ def open_source(src: SourceFile, store: SourceStore | None) -> BinaryIO:
         except FileNotFoundError as exc:
             raise changed(src) from exc
         except Exception as exc:
-            raise DatasetError(f"cannot read dataset source {src.uri}: {exc}") from exc
+            raise unreadable(src, exc) from exc
     try:
         # O_NONBLOCK: a FIFO put in the file's place since the listing must not block the
         # open (it then fails the regular-file check); regular files ignore the flag.
@@ -94,6 +96,14 @@ def changed(src: SourceFile) -> DatasetError:
     """The error for a source that is no longer the one listed: when opened, or when a
     store's reader raises `FileNotFoundError` mid-read (the object was replaced)."""
     return DatasetError(f"dataset source {src.uri} changed since it was listed; run again")
+
+
+def unreadable(src: SourceFile, exc: Exception) -> DatasetError:
+    """The error for a source that cannot be read: a store's refusal or failure, when
+    opened or mid-read (an `OSError` naming the object, its `strerror` the reason: "permission
+    denied (403): ..."), or a corrupt compressed stream."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return DatasetError(f"cannot read dataset source {src.uri}: {reason}")
 
 
 def check_unchanged(fh: BinaryIO, src: SourceFile) -> None:

@@ -1,11 +1,15 @@
 """Reading `gs://` dataset sources through `infra.storage.GCSStorage` on the GCS emulator:
-what each object costs in requests and bytes, and an object replaced while it is read."""
+what each object costs in requests and bytes, an object replaced while it is read, and one
+the reader may not read (through `gcs_proxy.DenyingProxy`)."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
 import json
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -13,6 +17,8 @@ import pytest
 from google.cloud.storage import Blob
 
 from infra.storage import READ_CHUNK, GCSStorage
+from tests.emulator.gcs_proxy import DENIED_MESSAGE, DenyingProxy
+from tests.helpers import REPO
 from tests.test_data import cfg_for
 from workloads import data
 from workloads.documents import ReadOptions, iter_documents
@@ -162,3 +168,84 @@ def test_a_generation_pinned_read_of_a_replaced_object_fails_the_shard_run_as_ch
     uri = f"gs://{bucket}/c/big.jsonl"
     assert str(err.value) == f"dataset source {uri} changed since it was listed; run again"
     assert gets[-1][0] == 404
+
+
+REFUSED = "c/brack[1].txt"  # percent-encoded in every URL: c%2Fbrack%5B1%5D.txt
+REQUESTER_PAYS = "Bucket is a requester pays bucket but no user project provided."
+# `tpupipe` of this checkout, run as its script runs it.
+TPUPIPE = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())"]
+
+
+DENIED = r"permission denied \(403\): .*; .*storage\.objects\.get.*objectViewer"
+
+
+def parquet(text: str) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": [text]}), out)
+    return out.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(
+    ("answer", "metadata", "fmt", "expected"),
+    [
+        (403, True, "text", DENIED),
+        (403, False, "text", DENIED),
+        (403, False, "parquet", DENIED),  # not "not a readable Parquet file"
+        (400, False, "text", r"failed \(400\): " + re.escape(REQUESTER_PAYS[:-1]) + "$"),
+    ],
+    ids=["403-on-open", "403-mid-read", "403-parquet", "400-mid-read"],
+)
+def test_a_refused_read_names_the_object_and_why(
+    gcs_emulator, gcs_client, bucket, monkeypatch, answer, metadata, fmt, expected
+):
+    # A 403 on the download was a raw google.api_core Forbidden naming the object only
+    # percent-encoded in a URL (`tpupipe shard`: a traceback, no "sharding failed:").
+    from infra.gcp.clients import storage_client
+
+    put(gcs_client, bucket, REFUSED, parquet("some text") if fmt == "parquet" else b"text\n")
+    message = DENIED_MESSAGE if answer == 403 else REQUESTER_PAYS
+    reason = "forbidden" if answer == 403 else "required"
+    with DenyingProxy(gcs_emulator, REFUSED, answer, reason, message, metadata) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        store = GCSStorage(storage_client("test-project"))
+        src = source(store, f"gs://{bucket}/{REFUSED}")
+        with pytest.raises(DatasetError) as err, open_source(src, store) as fh:
+            list(iter_documents(fh, src, ReadOptions(fmt)))
+    assert proxy.refused  # the refusal was met, not some other failure
+    text = str(err.value)
+    assert text.startswith(f"cannot read dataset source gs://{bucket}/{REFUSED}: ")
+    assert re.search(expected, text) and "%5B" not in text
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tpupipe_shard_exits_1_naming_an_object_it_may_not_read(
+    gcs_emulator, gcs_client, bucket, tmp_path, workers
+):
+    # Read in this process (1 worker) or in a forkserver worker (2): there the raw
+    # Forbidden came back through the pool, as a traceback too.
+    put(gcs_client, bucket, "c/a.txt", b"a line of text\n" * 80_000)  # a unit of its own
+    put(gcs_client, bucket, REFUSED, b"some text\n")
+    # With 2 workers this process reads c/a.txt, held until the refusal was sent: the
+    # worker process is the one that meets it.
+    with DenyingProxy(gcs_emulator, REFUSED, hold_others=workers == 2) as proxy:
+        argv = ["shard", "--source", f"gs://{bucket}/c/", "--out", str(tmp_path / "out")]
+        done = subprocess.run(
+            [*TPUPIPE, *argv, "--workers", str(workers)],
+            cwd=REPO,
+            env={**os.environ, "STORAGE_EMULATOR_HOST": proxy.url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "%5B" not in done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("sharding failed:")]
+    assert line.startswith(
+        f"sharding failed: cannot read dataset source gs://{bucket}/{REFUSED}: "
+        "permission denied (403)"
+    )
+    assert "roles/storage.objectViewer" in line
+    assert proxy.refused and proxy.refused_while_held == (workers == 2)
