@@ -11,6 +11,8 @@ Exactly-once landing, whatever is retried:
    table's primary key: matched rows are updated, new rows inserted, and rows of this run
    that the new landing no longer has are deleted. All three tables change, or none does.
 3. The staging tables are dropped (they also expire after a day, should a crash leave them).
+   The rows are stored by then: a drop that fails is logged as a warning, and the landing
+   succeeds (it failed, and the pipeline then rewrote a completed run's row to failed).
 
 Running the landing twice, or again after a failure at any point, leaves the tables
 holding exactly the source's rows, once. A failed run's landing MERGEs without the delete,
@@ -30,6 +32,7 @@ import datetime as dt
 import hashlib
 import io
 import json
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -50,6 +53,8 @@ from infra.metrics.rows import (
     one_sweep_id,
     replaces_landed,
 )
+
+log = logging.getLogger(__name__)
 
 STAGING_TTL = dt.timedelta(days=1)
 # Transient errors of one call; a landing as a whole is safe to re-run anyway. The
@@ -174,12 +179,10 @@ class BigQuerySink:
                     f"DELETE FROM `{self._table(model)}` WHERE run_id = {sql_literal(run.run_id)}"
                 )
         script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
-        with _naming(f"landing run {run.run_id} into {self.dataset} (one transaction)"):
+        landing = f"landing run {run.run_id} into {self.dataset}"
+        with _naming(f"{landing} (one transaction)"):
             self._query(script)
-        for model in self.models:
-            self.client.delete_table(
-                self._staging(model, run.run_id), not_found_ok=True, timeout=CALL_TIMEOUT_S
-            )
+        self._drop_staging([self._staging(m, run.run_id) for m in self.models], landing)
         counts = {m.table: len(by_table.get(m.table, [])) for m in self.models}
         return LandResult(
             runs=counts.get(RunRow.table, 0),
@@ -207,11 +210,10 @@ class BigQuerySink:
         trials = dedupe(rows)[SweepRow.table]
         self._stage(SweepRow, sweep_id, trials)
         merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
-        with _naming(f"landing sweep {sweep_id} into {self._table(SweepRow)}"):
+        landing = f"landing sweep {sweep_id} into {self._table(SweepRow)}"
+        with _naming(landing):
             self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
-        self.client.delete_table(
-            self._staging(SweepRow, sweep_id), not_found_ok=True, timeout=CALL_TIMEOUT_S
-        )
+        self._drop_staging([self._staging(SweepRow, sweep_id)], landing)
         return len(trials)
 
     def read_run(self, run_id: str) -> RunRow | None:
@@ -235,6 +237,30 @@ class BigQuerySink:
         safe = re.sub(r"[^A-Za-z0-9_]", "_", scope)[:200]
         digest = hashlib.sha256(scope.encode()).hexdigest()[:12]
         return f"{self.dataset}._staging_{model.table}_{safe}_{digest}"
+
+    def _drop_staging(self, tables: Sequence[str], landing: str) -> None:
+        """Drop the staging tables of `landing`, whose MERGE has committed.
+
+        The rows are stored: a failed drop must not fail the landing, or the pipeline
+        rewrites a completed run's row to failed and exits 1. It is logged as a warning
+        instead; the tables expire on their own (`STAGING_TTL`, set at their load). The
+        first failure leaves the rest too, rather than retry each for RETRY's deadline.
+        """
+        for i, table in enumerate(tables):
+            try:
+                self.client.delete_table(
+                    table, not_found_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S
+                )
+            except Exception as exc:  # any failure: the landing's outcome is decided
+                log.warning(
+                    "%s: the rows are stored, but dropping the staging tables failed: %s; "
+                    "left: %s (they expire on their own, %.0f h after their load)",
+                    landing,
+                    " ".join(str(exc).split()),
+                    ", ".join(tables[i:]),
+                    STAGING_TTL.total_seconds() / 3600,
+                )
+                return
 
     def _ensure_table(self, model: type[TableRow]) -> None:
         """Create the model's table (day-partitioned, clustered) or add its new columns."""
