@@ -200,7 +200,9 @@ def test_a_zone_that_answers_403_to_the_delete_does_not_shield_the_slice_in_anot
     qr = f"/v2/projects/{PROJECT}/locations/us-west4-a/queuedResources/tpupipe-r1"
     fake.faults = [("DELETE", qr, 403)]
 
-    with pytest.raises(TpuPermissionError, match="refused to delete TPUs .*: in us-west4-a: DELETE"):
+    with pytest.raises(
+        TpuPermissionError, match=r"refused to delete TPUs .*: in us-west4-a: DELETE"
+    ):
         make_provider(host, zones=ZONES).delete("tpupipe-r1")
     assert fake.nodes == {}  # the billed node in the fallback zone was deleted all the same
 
