@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import read_sequences
-from workloads import data, packing
+from workloads import data, packing, shard_stats
 from workloads.config import EOD_TOKEN, DatasetConfig
 from workloads.data import DatasetError
 from workloads.shard_pool import worker_pool
@@ -283,7 +283,8 @@ def test_interrupted_run_leaves_no_manifest_and_the_next_run_completes(tmp_path,
     monkeypatch.undo()
     result = data.shard_dataset(cfg, tmp_path / "out")
     assert not result.cached and result.dataset_dir == str(dataset_dir)
-    assert sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith(".")) == [".lock"]
+    hidden = sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith("."))
+    assert hidden == [".lock", shard_stats.SHARD_STATS]  # no leftover, no .work
     clean = data.shard_dataset(cfg, tmp_path / "clean")
     assert files_of(result.dataset_dir) == files_of(clean.dataset_dir)
 
@@ -306,6 +307,49 @@ def test_corrupt_manifest_or_shard_is_detected_and_rebuilt(tmp_path):
         data.load_manifest(result.dataset_dir)
     assert not data.shard_dataset(cfg, tmp_path / "out").cached
     assert files_of(result.dataset_dir) == good
+
+
+def test_a_shard_replaced_by_another_builds_is_caught_by_the_cache_check_and_rebuilt(
+    tmp_path, caplog
+):
+    """A same-named shard of another build passed the cache check (ArrayRecord pads files
+    to 64 KiB, so the sizes match) and, holding as many records, was trained on silently."""
+    cfg = cfg_for(make_corpus(tmp_path / "a"))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    good = files_of(result.dataset_dir)
+    corpus_b = make_corpus(tmp_path / "b")
+    (corpus_b / "doc0.txt").write_text((corpus_b / "doc0.txt").read_text()[::-1])
+    other = data.shard_dataset(cfg_for(corpus_b), tmp_path / "out")
+    name = "train-00000-of-00002.arrayrecord"
+    shard, foreign = Path(result.dataset_dir, name), Path(other.dataset_dir, name).read_bytes()
+    assert foreign != good[name] and len(foreign) == len(good[name])
+    # Copied over it as `cp -p` would: same size, and the mtime kept.
+    mtime = os.stat(shard).st_mtime_ns
+    shard.write_bytes(foreign)
+    os.utime(shard, ns=(mtime, mtime))
+
+    with caplog.at_level("WARNING", logger="workloads.data"):
+        assert not data.shard_dataset(cfg, tmp_path / "out").cached
+    assert f"{shard} no longer matches its manifest's sha256" in caplog.text
+    assert files_of(result.dataset_dir) == good
+    assert data.shard_dataset(cfg, tmp_path / "out").cached
+
+
+def test_a_cache_hit_hashes_only_shards_whose_file_changed(tmp_path, monkeypatch):
+    cfg = cfg_for(make_corpus(tmp_path))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    hashed = []
+    real = shard_stats.file_sha256
+    monkeypatch.setattr(shard_stats, "file_sha256", lambda p: hashed.append(p) or real(p))
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == []
+    shard = Path(result.dataset_dir, "eval-00000-of-00001.arrayrecord")
+    shard.chmod(0o644)  # a new ctime, the same bytes: hashed once, then trusted again
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
+    # A dataset built before the signatures were recorded: trusted as before, then watched.
+    Path(result.dataset_dir, shard_stats.SHARD_STATS).unlink()
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
+    assert Path(result.dataset_dir, shard_stats.SHARD_STATS).is_file()
 
 
 def test_the_manifest_lists_a_source_per_line_and_reads_back_whatever_its_names(tmp_path):

@@ -17,6 +17,7 @@ from tests.test_data import files_of
 from workloads import data
 from workloads.config import DatasetConfig
 from workloads.data import DatasetError
+from workloads.shard_stats import SHARD_STATS
 
 # The child shards with two workers and reports progress slowly in the stage to be killed
 # (argv[3]), so the kill lands while there is work left; it prints each progress call for
@@ -104,5 +105,6 @@ def test_sigkill_mid_run_then_rerun_equals_a_clean_run(corpus, tmp_path, stage, 
         assert done == total
     clean = data.shard_dataset(cfg, tmp_path / "clean", unit_bytes=40_000)
     assert files_of(resumed.dataset_dir) == files_of(clean.dataset_dir)
-    assert sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith(".")) == [".lock"]
+    hidden = sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith("."))
+    assert hidden == [".lock", SHARD_STATS]  # no leftover, no .work
     data.verify_shards(dataset_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +195,39 @@ def test_a_damaged_or_foreign_shard_is_refused_naming_it(dataset_dir, tmp_path):
     ):
         for _ in range(100):  # two epochs: every sequence is read
             assert next(it)["inputs"].shape == (8, SEQ)
+
+
+@pytest.mark.parametrize("sequences", [None, 1], ids=["several-a-record", "one-a-record"])
+def test_a_shard_with_another_record_count_is_refused_naming_it(dataset_dir, tmp_path, sequences):
+    """The error named no shard ("the shards hold 87 records, their manifest counts 126"),
+    and where a record holds one sequence the miscount went unchecked."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    from workloads.packing import writer_options
+
+    edited = _copy(dataset_dir, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    if sequences == 1:  # an older layout: one sequence per ArrayRecord record
+        manifest["record"]["sequences"] = 1
+        for split in ("train", "eval"):
+            for entry in manifest["splits"][split]["shards"]:
+                path = str(edited / entry["name"])
+                reader = ArrayRecordReader(path)
+                entry["records"] = reader.num_records()
+                reader.close()
+        (edited / "manifest.json").write_text(json.dumps(manifest))
+    first = manifest["splits"]["train"]["shards"][0]["name"]
+    reader = ArrayRecordReader(str(edited / first))
+    records = reader.read_all()
+    reader.close()
+    writer = ArrayRecordWriter(str(edited / first), writer_options())
+    for record in records[:-1]:
+        writer.write(record)
+    writer.close()
+
+    want = f"{edited / first} holds {len(records) - 1} records, its manifest counts {len(records)}"
+    with pytest.raises(DatasetError, match=re.escape(want)):
+        input.train_iterator(edited, 4, 0)
 
 
 @pytest.mark.parametrize(

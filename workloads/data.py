@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -61,6 +62,7 @@ from workloads.packing import (
     write_shard,
 )
 from workloads.shard_pool import worker_pool
+from workloads.shard_stats import changed_shards, record_shard_stats
 from workloads.sources import DatasetError, SourceFile, SourceStore, select_by_size
 from workloads.splits import plan_splits, plan_units, split_entries
 from workloads.tokens import TokenizerSpec, load_tokenizer
@@ -81,6 +83,7 @@ __all__ = [
     "verify_shards",
 ]
 
+log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]  # (stage "tokenize" | "write", done, total)
 # With workers=0 (auto), a smaller corpus is sharded in this process alone. In a fresh
 # process the first worker is up only after 0.1-0.3 s (a forkserver starts and imports
@@ -225,6 +228,7 @@ def shard_dataset(
             _write(splits, run, progress)
         manifest = _manifest(fingerprint, cfg, tokenizer, files, splits)
         write_manifest(directory, manifest)
+        record_shard_stats(directory, manifest)
         shutil.rmtree(work, ignore_errors=True)
     return ShardResult(str(directory), manifest, cached=False)
 
@@ -269,6 +273,14 @@ def _complete(directory: Path) -> ShardResult | None:
         raise DatasetError(f"cannot read the dataset directory {directory}: {reason}") from None
     if not shards_present(directory, manifest):
         return None  # a deleted or truncated shard too
+    changed = changed_shards(directory, manifest)
+    if changed:  # replaced since the build (another build's shard): built again
+        log.warning(
+            "dataset shard %s no longer matches its manifest's sha256; building %s again",
+            ", ".join(changed),
+            directory,
+        )
+        return None
     shutil.rmtree(directory / WORK_DIR, ignore_errors=True)  # killed after the manifest
     return ShardResult(str(directory), manifest, cached=True)
 

@@ -41,9 +41,12 @@ def split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]
         raise DatasetError(f"dataset shard {missing[0]} listed in the manifest is missing")
     records = _open_shards(paths)
     per = sequences_per_record(manifest)
+    counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
+    expected = [-(-count // per) for count in counts]  # ArrayRecord records per shard
+    if len(records) != sum(expected):
+        raise _miscounted(paths, expected)
     if per == 1:
         return records, manifest
-    counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
     size = manifest["record"]["length"] * record_dtype(manifest).itemsize
     return SequenceSource(records, counts, per, size, paths), manifest
 
@@ -61,6 +64,25 @@ def _open_shards(paths: list[str]) -> Any:
             except RuntimeError as bad:
                 raise unreadable_shard(path, bad) from None
         raise DatasetError(f"the dataset shards {paths[0]}... cannot be opened: {exc}") from None
+
+
+def _miscounted(paths: list[str], expected: list[int]) -> DatasetError:
+    """The error for shards holding another number of records than their manifest says,
+    naming each such shard (counted one by one only now, after the total disagreed)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    wrong = []
+    for path, want in zip(paths, expected, strict=True):
+        reader = ArrayRecordReader(path)
+        try:
+            if (got := reader.num_records()) != want:
+                wrong.append(f"{path} holds {got} records, its manifest counts {want}")
+        finally:
+            reader.close()
+    return DatasetError(
+        f"dataset shards and their manifest disagree (a shard from another build, an edited "
+        f"manifest): {'; '.join(wrong)}; shard the dataset again (delete its directory)"
+    )
 
 
 def unreadable_shard(path: str, exc: Exception) -> DatasetError:
