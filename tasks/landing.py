@@ -18,6 +18,7 @@ from tasks.pricing import price_or_unpriced
 from tasks.progress import loss_curve_link, write_loss_curve
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
 from workloads.evaluate import EvalResult
 from workloads.events import EVENTS
 from workloads.rundir import RunDir
@@ -123,7 +124,7 @@ def _fingerprint(plan: RunPlan) -> str:
 
     try:
         return os.path.basename(load_workload_config(plan).dataset_dir.rstrip("/"))
-    except FileNotFoundError:
+    except ConfigError:  # not written yet (stopped while sharding, bad input) or unreadable
         return ""
 
 

@@ -358,3 +358,27 @@ def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_h
         tpu_training_pipeline(config=bad)
     assert not (tmp_path / "slices").exists() or _slices_left(tmp_path) == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_stopped_by_bad_input_before_training_still_lands_its_failed_row(
+    tmp_path, prefect_harness
+):
+    """Its row was lost ("could not land the failed run's row: ... config.json: cannot read
+    the workload config"): nothing had written the workload config yet, so a signal
+    during sharding lost it too."""
+    from flows.pipeline import tpu_training_pipeline
+    from workloads.data import DatasetError
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n')
+    config = tiny_config(
+        tmp_path, "run_name=badinput", f"dataset.sources=[{corpus}]", "dataset.format=jsonl"
+    )
+    with pytest.raises(DatasetError, match="corpus.jsonl:3"):
+        tpu_training_pipeline(config=config)
+    assert _slices_left(tmp_path) == []
+    sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+    ((status, error, fingerprint),) = sink.query(
+        "SELECT status, error, dataset_fingerprint FROM runs WHERE run_id = 'badinput'"
+    )
+    assert status == "failed" and "corpus.jsonl:3" in error and fingerprint == ""
