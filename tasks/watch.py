@@ -146,12 +146,12 @@ def watch_slice(
                 raise WorkloadNeverStarted(
                     f"the workload on slice {name} never started: no heartbeat in "
                     f"{silent:.0f}s (slice.heartbeat_timeout_s = "
-                    f"{settings.heartbeat_timeout_s:.0f}) while the slice was READY"
+                    f"{settings.heartbeat_timeout_s:g}) while the slice was READY"
                 )
             raise WorkloadPreempted(
                 f"no heartbeat from slice {name} for {silent:.0f}s (slice.heartbeat_timeout_s "
-                f"= {settings.heartbeat_timeout_s:.0f}, confirmed after "
-                f"{settings.confirm_s:.0f}s); last phase {heartbeat.get('phase')!r}"
+                f"= {settings.heartbeat_timeout_s:g}, confirmed after "
+                f"{settings.confirm_s:g}s); last phase {heartbeat.get('phase')!r}"
             )
         sleep(settings.poll_s)
     final = run_dir.read_status() or {}

@@ -374,7 +374,7 @@ def test_a_run_stopped_by_bad_input_before_training_still_lands_its_failed_row(
     config = tiny_config(
         tmp_path, "run_name=badinput", f"dataset.sources=[{corpus}]", "dataset.format=jsonl"
     )
-    with pytest.raises(DatasetError, match="corpus.jsonl:3"):
+    with pytest.raises(DatasetError, match=r"corpus\.jsonl:3"):
         tpu_training_pipeline(config=config)
     assert _slices_left(tmp_path) == []
     sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))

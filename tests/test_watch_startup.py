@@ -43,11 +43,11 @@ class Heartbeats:
         return self.beats(self.clock.now)
 
 
-def watch(beats, attempt: int | None = 2):
+def watch(beats, attempt: int | None = 2, timeout_s: float = 600):
     clock = Clock()
     run_dir = Heartbeats(beats)
     run_dir.clock = clock
-    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=timeout_s, confirm_s=30)
     return watch_slice(
         Ready(), "s", run_dir, settings, lambda m: None, None, clock, clock.sleep, attempt
     )
@@ -57,6 +57,14 @@ def test_a_ready_slice_whose_workload_never_beats_never_started():
     # The last attempt's heartbeat is still in the run directory: it is not this one's.
     with pytest.raises(WorkloadNeverStarted, match=r"never started: no heartbeat in 6\d\ds"):
         watch(lambda now: {"phase": "preempted", "attempt": 1, "time": 990.0, "step": 40})
+
+
+def test_the_messages_quote_the_timeout_as_configured():
+    # A timeout of 0.5 s read "slice.heartbeat_timeout_s = 0".
+    with pytest.raises(WorkloadNeverStarted, match=r"slice\.heartbeat_timeout_s = 0\.5\)"):
+        watch(lambda now: None, timeout_s=0.5)
+    with pytest.raises(WorkloadPreempted, match=r"slice\.heartbeat_timeout_s = 0\.5,"):
+        watch(lambda now: {"phase": "training", "attempt": 2, "time": 1000.0}, timeout_s=0.5)
 
 
 def test_a_stale_heartbeat_without_an_attempt_is_told_by_its_time():
