@@ -74,7 +74,7 @@ def build_rows(
         config_hash=plan.config_hash,
         config_json=config.model_dump_json(),
         dataset_fingerprint=_fingerprint(plan),
-        started_at=started_at,
+        started_at=_first_start(started_at, ledger),
         finished_at=datetime.now(UTC),
         final_step=verified.step if verified else (ordered[-1]["step"] if ordered else None),
         train_loss_first=ordered[0].get("loss") if ordered else None,
@@ -117,6 +117,14 @@ def ledger_fields(ledger: Ledger) -> dict:
         "tokens_trained": ledger.tokens,
         "cost_per_million_tokens": ledger.cost_per_million_tokens,
     }
+
+
+def _first_start(started_at: datetime, ledger: Ledger) -> datetime:
+    """When the run first started: this invocation's start, or the first event an earlier
+    one recorded (one killed outright lands no row, so the sink cannot keep its start)."""
+    if ledger.first_event is None:
+        return started_at
+    return min(started_at, datetime.fromtimestamp(ledger.first_event, UTC))
 
 
 def _fingerprint(plan: RunPlan) -> str:

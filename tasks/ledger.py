@@ -72,6 +72,7 @@ class Ledger:
     steps: int  # optimizer steps that count
     chip_hours: float
     cost_usd: float | None
+    first_event: float | None = None  # epoch seconds of the run's first recorded event
 
     @property
     def tokens(self) -> int:
@@ -163,6 +164,7 @@ def compute_ledger(
         steps=sum(a.timeline.steps_kept for a in attempts),
         chip_hours=sum(a.chip_hours for a in attempts),
         cost_usd=sum(a.cost_usd or 0.0 for a in attempts) if priced else None,
+        first_event=min((e["time"] for e in events), default=None),
     )
 
 

@@ -275,3 +275,29 @@ def land(sink: DuckDBSink, run_dir: Path, config) -> None:
         **ledger_fields(run_ledger(config, str(run_dir))),
     )
     sink.land(row, [], [])
+
+
+def test_the_runs_row_starts_at_the_first_event_of_an_invocation_that_landed_nothing(tmp_path):
+    """An orchestrator killed outright lands no row, so its rerun's row said the run
+    started when the rerun did, though its report showed the first attempt before."""
+    from datetime import UTC, datetime, timedelta
+
+    from tasks.landing import build_rows
+
+    run_dir = fake_run(tmp_path)
+    rerun = datetime(2026, 11, 26, 8, 0, tzinfo=UTC)
+    first = rerun - timedelta(minutes=30)
+    _write_events(
+        run_dir,
+        [
+            {"time": first.timestamp(), "attempt": 1, "event": "provision_requested"},
+            {"time": first.timestamp() + 60, "attempt": 1, "event": "provision_ready"},
+        ],
+    )
+    config = tiny_config(tmp_path, "run_name=three")
+    run, _, _ = build_rows(config, plan_run(config), rerun, None, None)
+    assert run.started_at == first
+    # Events after this invocation's start do not move it later.
+    _write_events(run_dir, [{"time": rerun.timestamp() + 5, "attempt": 2, "event": "x"}])
+    run, _, _ = build_rows(config, plan_run(config), rerun, None, None)
+    assert run.started_at == rerun
