@@ -120,6 +120,16 @@ def test_a_value_from_set_is_blamed_on_its_override(tmp_path, overrides, message
     assert any(re.search(message, line) for line in str(err.value).splitlines()), err.value
 
 
+def test_a_problem_with_a_field_left_at_its_default_names_the_line_of_the_other(tmp_path):
+    # No mesh section: the default mesh (8 devices) against the slice the file gives.
+    path = write(tmp_path, "run_name: small\nslice:\n  provider: local\n  devices: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}:4: mesh.data*mesh.fsdp*mesh.tensor = 8*1*1 = 8 does not equal " in str(
+        err.value
+    )
+
+
 def test_a_bad_value_in_the_file_is_shown_with_its_line(tmp_path):
     path = write(tmp_path, BASE.replace("steps: 12", "steps: twelve"))
     with pytest.raises(ConfigError, match=rf"^{path}:6: train\.steps: .* \(got 'twelve'\)$"):

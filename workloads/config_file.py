@@ -217,7 +217,7 @@ class _Blame:
         # The problem is about the most precise field known: a named field inside the
         # error's location (a section's validator names its fields), else the location.
         inside = [f for f in named if loc and f[: len(loc)] == loc]
-        primary = inside[0] if inside else loc or (named[0] if named else ())
+        primary = inside[0] if inside else loc or self._written(named)
         from_set = self._from_override(primary)
         where = "--set" if from_set else self._file_line(primary)
         texts = dict.fromkeys(t for f in (primary, *named) for t in self._overrides_of(f))
@@ -227,6 +227,18 @@ class _Blame:
             notes.append(f"from {sets}" if from_set else f"with {sets}")
         field = f"{'.'.join(loc)}: " if loc else ""
         return f"{where}: {field}{problem}" + (f" ({', '.join(notes)})" if notes else "")
+
+    def _written(self, named: list[tuple]) -> tuple:
+        """Of the fields a problem names, the first the user wrote (a line of the file or a
+        `--set`), else the first whose section the file has, else the first: the mesh
+        left at its defaults named no line, though `slice.devices` had one."""
+        for field in named:
+            if field in self.lines or self._from_override(field):
+                return field
+        for field in named:
+            if any(field[:n] in self.lines for n in range(len(field) - 1, 0, -1)):
+                return field
+        return named[0] if named else ()
 
     def _overrides_of(self, field: tuple) -> list[str]:
         # An override of the field or of a section holding it, or of a key inside it.
