@@ -91,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return report_cli.run(args)
     from tasks.pricing import price_for
+    from workloads.config_memory import host_memory_bytes
 
     try:
-        config = load_config(args.config, args.overrides)
+        # With the memory check: a model too big for the slice fails here, not after it
+        # was provisioned (the flow's validate stage checks it again, for UI runs).
+        config = load_config(args.config, args.overrides, host_memory=host_memory_bytes)
         price = price_for(config)  # a cost.price_table that does not read is a config error
     except ConfigError as exc:
         print(f"invalid config:\n{exc}", file=sys.stderr)

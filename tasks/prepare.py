@@ -20,6 +20,7 @@ from tasks.remote import check_gcs_places, publish_dataset
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.config_file import ConfigError
+from workloads.config_memory import host_memory_bytes, memory_problems
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_backend_access",
     "check_inputs",
     "check_local_paths",
+    "check_memory",
     "check_slice_access",
     "shard_corpus",
     "shard_dataset",
@@ -171,6 +173,22 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
             raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
 
 
+def check_memory(config: PipelineConfig, host_bytes: int | None) -> None:
+    """The model's training state fits the slice's devices (`workloads.config_memory`).
+
+    Args:
+        config: The validated config.
+        host_bytes: The memory of the machine a local slice runs on; None skips the check
+            of a local slice (a gcp slice is checked against its chips' HBM).
+
+    Raises:
+        ConfigError: naming the fields that drive the estimate, the estimate and the limit.
+    """
+    problems = memory_problems(config, host_bytes)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def _check_metrics_file(value: str, path: str) -> None:
     """Refuse an existing `metrics.path` (`value`, at absolute `path`) DuckDB cannot use."""
     if os.path.isdir(path):
@@ -220,13 +238,16 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     config was built), that every source resolves, that a rerun trains the same thing, that
     the cloud backends' credentials resolve and an existing BigQuery dataset is in
     metrics.location (`tasks.access`), that the `gs://` storage root's bucket and a gcp
-    slice's wheel exist (`tasks.remote`), and that the price table (`cost.price_table`) reads.
+    slice's wheel exist (`tasks.remote`), that the price table (`cost.price_table`) reads,
+    and that the model's training state fits the slice's devices (`check_memory`: this task
+    runs where a local slice does).
 
     Raises:
         ConfigError / DatasetError: naming the field, file or source at fault.
     """
     # Re-validating catches a config mutated after construction (e.g. by a caller).
     config = PipelineConfig.model_validate(config.model_dump())
+    check_memory(config, host_memory_bytes())
     plan = plan_run(config, flow_run_id)
     check_backend_access(config, plan)  # credentials resolve, before any call that needs them
     check_gcs_places(config)  # a missing bucket or wheel: before any source is read

@@ -19,13 +19,14 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
 from tasks.plan import check_resumable, plan_run
-from tasks.prepare import DatasetError, check_inputs
+from tasks.prepare import DatasetError, check_inputs, check_memory
 from tasks.pricing import price_for
 from tasks.run_lock import sweep_held
 from tasks.sweep_deployed import ensure_trial_deployment
 from tasks.sweep_models import SweepError, SweepPlan
 from tasks.sweep_space import SweepConfig, Trial, build_trials
 from workloads.config_file import ConfigError
+from workloads.config_memory import host_memory_bytes
 
 
 def new_sweep_name(now: datetime | None = None, token: str | None = None) -> str:
@@ -142,11 +143,13 @@ def sweep_lock(plan: SweepPlan) -> Iterator[None]:
 def check_trials(trials: list[Trial], local_inputs: bool) -> None:
     """What `tpupipe validate` checks, for every trial, before any trial runs.
 
-    Each trial's price (a `cost.price_table` that does not read) and, when the trials run
-    on this machine (`local_inputs`), what its config points at: its local sources and
-    tokenizer file (`tasks.prepare.check_inputs`). A source that matched no file used to
-    fail its trial only once the trials before it had trained. Deployed trials run on a
-    worker, whose files are not this machine's: they check their inputs there.
+    Each trial's price (a `cost.price_table` that does not read), that its model's training
+    state fits its slice's devices (`tasks.prepare.check_memory`; a local slice's against
+    this host only when the trials run here) and, when the trials run on this machine
+    (`local_inputs`), what its config points at: its local sources and tokenizer file
+    (`tasks.prepare.check_inputs`). A source that matched no file used to fail its trial
+    only once the trials before it had trained. Deployed trials run on a worker, whose
+    files and memory are not this machine's: they check their inputs there.
 
     A sweep run again resumes its trials, so each must also train what its run trained:
     a space changed since the first sweep of this name otherwise let every trial take
@@ -157,9 +160,11 @@ def check_trials(trials: list[Trial], local_inputs: bool) -> None:
         ConfigError: naming each trial, its overrides and what is wrong.
     """
     problems, listed = [], {}  # trials of one corpus list it once
+    host = host_memory_bytes() if local_inputs else None  # a worker's memory is its own
     for trial in trials:
         try:
             price_for(trial.config)
+            check_memory(trial.config, host)
             if local_inputs:
                 check_inputs(trial.config, plan_run(trial.config), remote=False, listed=listed)
             else:

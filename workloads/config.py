@@ -34,7 +34,9 @@ from workloads.config_model import (  # noqa: F401  (re-exported: the config's o
     VOCAB_PAD_MULTIPLE,
     MeshConfig,
     ModelConfig,
+    layer_matmul_params,
     padded_vocab_size,
+    param_count,
     resolve_mesh,
 )
 from workloads.config_resilience import ResilienceConfig

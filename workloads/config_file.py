@@ -13,12 +13,14 @@ import datetime
 import os
 import re
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from workloads.config import PipelineConfig, WorkloadConfig
+from workloads.config_memory import memory_problems
 from workloads.config_yaml import (
     did_you_mean,
     duplicate_key,
@@ -169,7 +171,7 @@ def format_validation_error(
         lines: `line_index` of the file.
         overrides: the `key=value` overrides applied on top of it.
     """
-    blame = _Blame(source, lines, [(tuple(parse_override(o)[0]), o) for o in overrides])
+    blame = _Blame.of(source, lines, overrides)
     out = []
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
@@ -207,6 +209,10 @@ class _Blame:
 
     def __init__(self, source: str, lines: dict, overrides: list[tuple[tuple, str]]):
         self.source, self.lines, self.overrides = source, lines, overrides
+
+    @classmethod
+    def of(cls, source: str, lines: dict, overrides: list[str]) -> _Blame:
+        return cls(source, lines, [(tuple(parse_override(o)[0]), o) for o in overrides])
 
     def line(self, loc: tuple, problem: str, got: str | None) -> str:
         named = [
@@ -264,12 +270,20 @@ class _Blame:
         return f"{self.source}:{found}" if found else self.source
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | os.PathLike,
+    overrides: list[str] | None = None,
+    host_memory: Callable[[], int | None] | None = None,
+) -> PipelineConfig:
     """Read, override and validate a pipeline config file.
 
     Args:
         path: the YAML config file.
         overrides: `key=value` strings (`--set`), applied in order on top of the file.
+        host_memory: given, a model whose training state cannot fit the slice's devices is
+            refused too (`workloads.config_memory`); it returns the memory of this host, which
+            a local slice's devices share (`config_memory.host_memory_bytes`). Not given: a
+            config that only finds a run (`tpupipe report`) is not checked against the host.
 
     Raises:
         ConfigError: with the file and line, or the override, and the field of each problem.
@@ -280,10 +294,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     data = strings_as_written(node, data, PipelineConfig)
     data = apply_overrides(data, overrides)
     try:
-        return PipelineConfig.model_validate(data)
+        config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
         message = format_validation_error(exc, source, line_index(node), overrides)
         raise ConfigError(message) from None
+    problems = memory_problems(config, host_memory()) if host_memory else []
+    if problems:
+        blame = _Blame.of(source, line_index(node), overrides)
+        raise ConfigError("\n".join(blame.line((), p, None) for p in problems))
+    return config
 
 
 def load_workload_config(path: str) -> WorkloadConfig:

@@ -66,6 +66,23 @@ def padded_vocab_size(vocab_size: int) -> int:
     return int(math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE)
 
 
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Parameters of one block's projections in workloads/model.py: QKV (d_model x
+    3*d_model), attention output (d_model x d_model), MLP up and down (d_model x d_ff each).
+    The FLOP count (`workloads.perf`) and the memory check (`workloads.config_memory`)
+    both start from it."""
+    return 4 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * cfg.d_ff
+
+
+def param_count(cfg: ModelConfig, vocab_size: int) -> int:
+    """Scalar parameters of `workloads.model.Transformer` (what `count_params` finds on the
+    built model), from the config alone: the tied embedding of the padded vocabulary, every
+    block's projections and two norm scales, and the final norm's scale."""
+    embedding = padded_vocab_size(vocab_size) * cfg.d_model
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    return embedding + cfg.n_layers * layer_matmul_params(cfg) + norms
+
+
 class MeshConfig(_Strict):
     """Device mesh axes; their product must equal the slice's device count.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from workloads.config import ModelConfig, padded_vocab_size
+from workloads.config import ModelConfig, layer_matmul_params, padded_vocab_size
 
 # Peak dense bf16 FLOP/s per chip, from Cloud TPU's published system specifications
 # (cloud.google.com/tpu/docs/system-architecture-tpu-vm, read 2026-11).
@@ -46,9 +46,9 @@ def model_flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> fl
     Counts the QKV, output, MLP and logit projections (2 FLOPs per multiply-add) and the
     attention scores and context over `seq_len` keys, as in the PaLM paper's appendix B.
     """
-    d, ff, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
-    per_layer = 2 * (3 * d * d + d * d + 2 * d * ff) + 2 * 2 * seq_len * d
-    forward = layers * per_layer + 2 * d * padded_vocab_size(vocab_size)
+    d = cfg.d_model
+    per_layer = 2 * layer_matmul_params(cfg) + 2 * 2 * seq_len * d
+    forward = cfg.n_layers * per_layer + 2 * d * padded_vocab_size(vocab_size)
     return 3.0 * forward
 
 

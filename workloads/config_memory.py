@@ -1,0 +1,196 @@
+"""Does the training state fit on the slice's devices? A conservative estimate from the
+config alone, checked before anything is provisioned.
+
+A model too big for its slice used to pass validation, provision the slice, spend minutes
+starting and fail with RESOURCE_EXHAUSTED (or, with no address-space limit, be SIGKILLed by
+the OOM killer, an exit tasks/watch.py takes for a preemption and retries). What one device
+holds during a step (workloads/trainer.py, workloads/model.py):
+
+- the training state: the master parameters in `model.param_dtype`, their gradients and
+  AdamW's two moments (optax keeps them in the parameters' dtype), each laid out as its
+  parameter: the embedding split over `fsdp`, every kernel over `fsdp`×`tensor`, the norm
+  scales whole (the gradients, which XLA lays out, are counted as split as the parameters:
+  the least they can take). `data` holds a copy. All four exist at once: the global-norm
+  clip needs every gradient before any parameter is updated.
+- activations: no block is rematerialised, so the backward pass keeps at least each
+  block's input (the device's rows × dataset.seq_len × d_model in `model.dtype`) and the
+  float32 logits (rows × dataset.seq_len × padded vocabulary).
+
+Both are lower bounds: the step also holds the compute-dtype copies of the kernels, the
+attention scores, the MLP's hidden activations, XLA's temporaries and the runtime. So a
+config is refused only when the state alone exceeds a device's memory, or the state plus
+those activations exceed `ACTIVATION_SLACK` times it (XLA on TPU may rematerialise
+activations to fit, so they are given room). Anything less is left to the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from workloads.config_model import layer_matmul_params, padded_vocab_size, param_count
+from workloads.vocab import BYTE_VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from workloads.config import PipelineConfig
+
+GIB = 1 << 30
+
+# HBM per chip (one JAX device per chip on every generation, see workloads/config_slice.py),
+# from Cloud TPU's system architecture pages. A family not listed is not checked.
+HBM_BYTES_PER_CHIP = {"v4": 32 * GIB, "v5litepod": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
+
+# Refuse when the state plus the activations counted exceed this many times the memory.
+ACTIVATION_SLACK = 2
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Lower bounds of what one device holds during a training step, in bytes."""
+
+    params: int  # the model's parameters, all devices together
+    state: int  # per device: parameters, gradients and AdamW's two moments
+    state_fully_sharded: int  # per device, were mesh.data 1 (every device splits it)
+    activations: int  # per device: every block's input and the float32 logits
+
+
+def estimate_memory(cfg: PipelineConfig, vocab_size: int) -> MemoryEstimate:
+    """What one device of `cfg`'s mesh holds during a step, at least (see the module doc).
+
+    Args:
+        cfg: a validated config (its mesh resolved and its dimensions divisible by it).
+        vocab_size: the tokenizer's vocabulary (the embedding has it padded).
+    """
+    m, mesh = cfg.model, cfg.mesh
+    vocab = padded_vocab_size(vocab_size)
+    embedding, kernels = vocab * m.d_model, m.n_layers * layer_matmul_params(m)
+    norms = (2 * m.n_layers + 1) * m.d_model
+
+    def state(fsdp: int, tensor: int) -> int:  # a parameter, its gradient and two moments
+        return 4 * _BYTES[m.param_dtype] * (embedding // fsdp + kernels // (fsdp * tensor) + norms)
+
+    rows = cfg.train.batch_size // (mesh.data * mesh.fsdp)
+    per_token = m.n_layers * m.d_model * _BYTES[m.dtype] + vocab * 4
+    return MemoryEstimate(
+        params=param_count(m, vocab_size),
+        state=state(mesh.fsdp, mesh.tensor),
+        state_fully_sharded=state(cfg.slice.devices // mesh.tensor, mesh.tensor),
+        activations=rows * cfg.dataset.seq_len * per_token,
+    )
+
+
+def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
+    """The config's training state does not fit the slice's devices: one message naming
+    the fields that drive the estimate, the estimate, the limit and what to change.
+
+    Args:
+        cfg: a validated config.
+        host_bytes: this machine's memory (`host_memory_bytes`), which a local slice's
+            virtual devices share; None skips the check of a local slice.
+
+    Returns:
+        One message, or none when the estimate fits or the device's memory is unknown (a
+        local slice without `host_bytes`, a TPU family without an HBM figure).
+    """
+    limit = _device_memory(cfg, host_bytes)
+    if limit is None:
+        return []
+    per_device, have = limit
+    # A tokenizer's vocabulary is known only once it is read: count one padded block.
+    est = estimate_memory(cfg, BYTE_VOCAB_SIZE if cfg.dataset.tokenizer is None else 1)
+    m, mesh, local = cfg.model, cfg.mesh, cfg.slice.provider == "local"
+    if est.state > per_device:
+        advice = ["use a smaller model (model.d_model, model.n_layers, model.d_ff)"]
+        if est.state_fully_sharded <= per_device and mesh.data > 1:
+            # On a local slice too: the sum over its devices is then one copy of the state.
+            advice.insert(0, "move devices from mesh.data to mesh.fsdp (fsdp splits the state)")
+        if m.param_dtype == "float32" and est.state // 2 <= per_device:
+            advice.append("set model.param_dtype = bfloat16 (half the bytes)")
+        if not local:
+            advice.append("use a slice of more chips (slice.accelerator_type)")
+        return [
+            f"model.d_model = {m.d_model}, model.n_layers = {m.n_layers} and model.d_ff = "
+            f"{m.d_ff} make a model of {_count(est.params)} parameters whose training state "
+            f"({m.param_dtype} parameters, gradients and AdamW's two moments: "
+            f"{4 * _BYTES[m.param_dtype]} bytes a parameter, split over mesh.fsdp*mesh.tensor "
+            f"= {mesh.fsdp}*{mesh.tensor}, copied over mesh.data = {mesh.data}) needs "
+            f"{_amount(cfg, est.state)}, more than {have}: {', or '.join(advice)}"
+        ]
+    if est.state + est.activations > ACTIVATION_SLACK * per_device:
+        advice = "lower train.batch_size or dataset.seq_len, or use a smaller model"
+        if not local:
+            advice += ", or a slice of more chips (slice.accelerator_type)"
+        return [
+            f"train.batch_size = {cfg.train.batch_size} over mesh.data*mesh.fsdp = "
+            f"{mesh.data}*{mesh.fsdp} with dataset.seq_len = {cfg.dataset.seq_len} keeps "
+            f"activations of at least {_amount(cfg, est.activations)} (the input of each of "
+            f"model.n_layers = {m.n_layers} blocks, model.d_model = {m.d_model} wide in "
+            f"model.dtype = {m.dtype}, and the float32 logits), and with the training state "
+            f"({_amount(cfg, est.state)}) that is more than {ACTIVATION_SLACK} times {have}: "
+            f"{advice}"
+        ]
+    return []
+
+
+def _device_memory(cfg: PipelineConfig, host_bytes: int | None) -> tuple[int, str] | None:
+    """Bytes one device can hold and the words that say where the figure comes from."""
+    s = cfg.slice
+    if s.provider == "gcp":
+        family = (s.accelerator_type or "").split("-")[0]
+        hbm = HBM_BYTES_PER_CHIP.get(family)
+        if hbm is None:
+            return None
+        return hbm, (
+            f"the {_gib(hbm)} of HBM of a {family} chip (slice.accelerator_type = "
+            f"{s.accelerator_type})"
+        )
+    if not host_bytes:
+        return None
+    return host_bytes // s.devices, f"this host's {_gib(host_bytes)} of memory (RAM and swap)"
+
+
+def _amount(cfg: PipelineConfig, per_device: int) -> str:
+    """A per-device figure as said to the user: a local slice's virtual devices share one
+    host's memory, so their sum is what is compared."""
+    devices = cfg.slice.devices
+    if cfg.slice.provider == "gcp" or devices == 1:
+        return f"{_gib(per_device)} per device"
+    return (
+        f"{_gib(per_device)} per device, {_gib(per_device * devices)} for the slice.devices "
+        f"= {devices} virtual devices"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """This machine's memory a local slice can use: RAM plus swap, or None if unknown.
+
+    The total, not what is available now: a figure that moves with whatever else runs (the
+    Prefect server, another run, the page cache) would refuse on a busy moment a config
+    that trains on an idle machine. A container's cgroup limit is not read either, so the
+    check may pass a config that a container cannot hold, never the other way round.
+    """
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0").split()[0])
+        return kib * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
