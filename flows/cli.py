@@ -9,13 +9,12 @@ tpupipe report demo
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import signal
 import sys
 
 from flows import report_cli, shard_cli
 from flows.cli_options import add_overrides
+from flows.local_run import exit_on_signals, orchestrate_here
 from workloads.config_file import ConfigError, load_config
 
 
@@ -24,47 +23,6 @@ def _prefect_defaults() -> None:
     # 2-core machine, and its analytics ping only adds noise offline.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-
-def _exit_on_signals() -> None:
-    """Make SIGTERM (docker stop, systemd, Kubernetes, CI time-outs) and SIGHUP (the
-    terminal or SSH session closed) end the process as Ctrl-C does, by unwinding:
-    `finally` blocks and exit hooks run, so the slice is deleted, the temporary Prefect
-    server stopped and a sharding pool shut down. Their default action ended the process
-    at once: the server ran on with no parent and, for SIGHUP, the workload trained on
-    until a reaper found it. Exit status 128 + the signal: 143, 129.
-
-    A SIGHUP that `nohup` (or a parent) set ignored stays ignored: that run was meant to
-    outlive its terminal.
-    """
-    signal.signal(signal.SIGTERM, _exit_with_signal)
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        terminals = [fd for fd in (1, 2) if os.isatty(fd)]
-        signal.signal(signal.SIGHUP, functools.partial(_hang_up, terminals))
-
-
-def _exit_with_signal(signum: int, frame: object) -> None:
-    sys.exit(128 + signum)
-
-
-def _hang_up(terminals: list[int], signum: int, frame: object) -> None:
-    """SIGHUP goes to whoever handles SIGTERM now. During a flow that is Prefect's bridge:
-    it raises `TerminationSignal` (the flow run crashes, teardown runs, the `runs` row
-    names SIGHUP), then re-sends the signal to the handler it replaced, ours, which
-    exits. Prefect installs a bridge for SIGTERM only.
-
-    Output that went to a terminal now hung up goes to /dev/null first: every write to it
-    fails (EIO), and the OSError of one made on the way out (the progress bar's last
-    refresh) replaced the exit: `tpupipe shard` exited 1.
-    """
-    gone = [fd for fd in terminals if not os.isatty(fd)]  # hung up: no longer a terminal
-    if gone:
-        null = os.open(os.devnull, os.O_WRONLY)
-        for fd in gone:
-            os.dup2(null, fd)
-        os.close(null)
-    handler = signal.getsignal(signal.SIGTERM)
-    (handler if callable(handler) else _exit_with_signal)(signum, frame)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
     args = _parser().parse_args(argv)
-    _exit_on_signals()
+    exit_on_signals()
     if args.command == "shard":
         return shard_cli.run(args)
     if args.command == "report":
@@ -104,14 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return _validate(args.config, config, price)
     _prefect_defaults()
-    from flows.api_server import temporary_api
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
     from tasks.prepare import DatasetError
     from tasks.run_lock import RunInUse
 
     try:
-        with temporary_api(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])):
+        with orchestrate_here():
             run = tpu_training_pipeline(config=config)
     except (ConfigError, DatasetError) as exc:
         # The config or its input must change (the flow raises these before provisioning).

@@ -4,6 +4,10 @@ Prefect global concurrency limit counted in TPU chips.
 Run locally, each trial is the pipeline flow called in this process (a subflow). Deployed,
 each trial is a run of the `train` deployment (`run_deployment`, still linked as a
 subflow), so the trials land on whatever workers serve that deployment's pool.
+
+From a Python script, run it with `run_sweep`, not by calling the flow: a SIGTERM to a
+script that calls `sweep(...)` leaves Prefect's temporary API server running for good, and
+a SIGHUP kills it before its trials are stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from functools import partial
 from prefect import flow, runtime
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.local_run import orchestrate_here
 from flows.pipeline import tpu_training_pipeline
 from tasks.sweep import plan_sweep, run_trials, sweep_lock
 from tasks.sweep_deployed import launch_deployment
@@ -63,3 +68,18 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
     if interrupted is not None:
         raise interrupted
     return summarize(plan, results)
+
+
+def run_sweep(config: SweepConfig) -> SweepSummary:
+    """Run the sweep from this process as `tpupipe run` runs a pipeline: SIGTERM and SIGHUP
+    stop it as Ctrl-C does (its trials stopped, its rows landed, then exit 143 or 129),
+    and with no `PREFECT_API_URL` set, the temporary API server it starts goes with it.
+
+    Args:
+        config: the sweep: base config, search space and admission.
+
+    Returns:
+        The sweep's summary, as the flow returns it.
+    """
+    with orchestrate_here():
+        return sweep(config=config)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from flows import cli
+from flows import local_run
 from tests.test_data import make_corpus
 from tests.test_shard_pool import running
 
@@ -104,7 +104,7 @@ def test_a_hang_up_that_nohup_ignores_stays_ignored():
     hang_up, term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        cli._exit_on_signals()
+        local_run.exit_on_signals()
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, hang_up)

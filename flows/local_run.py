@@ -1,0 +1,101 @@
+"""What a process that runs flows itself needs around them: `tpupipe run`, and a sweep run
+from a Python script (`flows.sweep.run_sweep`).
+
+A flow called straight from a script with no `PREFECT_API_URL` set runs against Prefect's
+own temporary API server, a child that only an exit hook stops. SIGTERM skipped that hook
+(once the flow run is crashed, Prefect's bridge sends the signal again to its default
+action) and SIGHUP killed the process at once: each sweep stopped so left one more server
+running with no parent, and a hang-up also left the sweep's trials and rows unfinished.
+Here both signals unwind as Ctrl-C does, and the API is the one `flows.api_server` runs,
+which dies with the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+
+@contextlib.contextmanager
+def orchestrate_here() -> Iterator[str | None]:
+    """Run the block's flows as `tpupipe run` runs its pipeline: SIGTERM and SIGHUP stop
+    them as Ctrl-C does (`exit_on_signals`: exit 143 or 129), and with no
+    `PREFECT_API_URL` they report to a temporary API server that is stopped at exit and
+    dies with this process if it is killed (`flows.api_server.temporary_api`). The signal
+    handlers it replaced are put back after the block.
+
+    Yields:
+        The temporary API's URL, or None when `PREFECT_API_URL` names one.
+
+    Raises:
+        RuntimeError: the temporary API server did not answer in time.
+    """
+    from flows.api_server import temporary_api
+
+    timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
+    restore = exit_on_signals()
+    try:
+        with temporary_api(timeout_s) as url:
+            yield url
+    finally:
+        restore()
+
+
+def exit_on_signals() -> Callable[[], None]:
+    """Make SIGTERM (docker stop, systemd, Kubernetes, CI time-outs) and SIGHUP (the
+    terminal or SSH session closed) end the process as Ctrl-C does, by unwinding:
+    `finally` blocks and exit hooks run, so the slice is deleted, the temporary Prefect
+    server stopped and a sharding pool shut down. Their default action ended the process
+    at once: the server ran on with no parent and, for SIGHUP, the workload trained on
+    until a reaper found it. Exit status 128 + the signal: 143, 129.
+
+    A SIGHUP that `nohup` (or a parent) set ignored stays ignored: that run was meant to
+    outlive its terminal.
+
+    Returns:
+        What puts back the handlers it replaced. Off the main thread, where Python sets no
+        handlers, it changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGTERM, _exit_with_signal)
+    if before[signal.SIGHUP] is not signal.SIG_IGN:
+        terminals = [fd for fd in (1, 2) if os.isatty(fd)]
+        signal.signal(signal.SIGHUP, functools.partial(_hang_up, terminals))
+
+    def restore() -> None:
+        for sig, handler in before.items():
+            if handler is not None:  # None: set outside Python, which cannot set it back
+                signal.signal(sig, handler)
+
+    return restore
+
+
+def _exit_with_signal(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+def _hang_up(terminals: list[int], signum: int, frame: object) -> None:
+    """SIGHUP goes to whoever handles SIGTERM now. During a flow that is Prefect's bridge:
+    it raises `TerminationSignal` (the flow run crashes, teardown runs, the `runs` row
+    names SIGHUP), then re-sends the signal to the handler it replaced, ours, which
+    exits. Prefect installs a bridge for SIGTERM only.
+
+    Output that went to a terminal now hung up goes to /dev/null first: every write to it
+    fails (EIO), and the OSError of one made on the way out (the progress bar's last
+    refresh) replaced the exit: `tpupipe shard` exited 1.
+    """
+    gone = [fd for fd in terminals if not os.isatty(fd)]  # hung up: no longer a terminal
+    if gone:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in gone:
+            os.dup2(null, fd)
+        os.close(null)
+    handler = signal.getsignal(signal.SIGTERM)
+    (handler if callable(handler) else _exit_with_signal)(signum, frame)
