@@ -71,3 +71,20 @@ def test_a_dataset_directory_that_cannot_be_read_is_named(tmp_path):
         dataset.chmod(0o755)
     assert failed_naming(out, f"cannot read the dataset directory ds/{dataset.name}"), out
     assert "Permission denied" in out.stderr
+
+
+def test_a_link_into_a_directory_that_cannot_be_searched_is_refused_naming_it(tmp_path):
+    # A walk gave a raw PermissionError traceback for it, and `corpus/*` left it out of the
+    # dataset without a word (`os.path.isfile` answered False).
+    make_corpus(tmp_path)
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "x.txt").write_text("private " * 300)
+    (tmp_path / "corpus" / "x.txt").symlink_to(private / "x.txt")
+    private.chmod(0o600)  # listable, not searchable: the link's target cannot be looked at
+    try:
+        for entry in ("corpus", "corpus/*", "corpus/**/*.txt"):
+            out = shard(tmp_path, "--source", entry, "--out", "ds")
+            assert failed_naming(out, "x.txt is not readable: Permission denied"), (entry, out)
+    finally:
+        private.chmod(0o700)

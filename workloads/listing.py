@@ -14,18 +14,20 @@ so the same corpus unpacked in another directory or on another machine gives the
 Files are ordered by entry, then by key; a file reached twice (by two entries, or through a
 symlink) counts once, for the first. Only regular files are read: a FIFO or device named
 as a source is an error, as it could block a read forever. Neither directory walks nor `**`
-follow directory symlinks, so a link to an ancestor cannot loop. A glob ending in "/" matches
-directories only, as in the shell. No walk or glob enters a tpupipe dataset directory
+follow directory symlinks, so a link to an ancestor cannot loop. A link that leads nowhere
+(dangling, pointing at itself, through a file) is skipped where a walk or glob meets it, and
+refused by name where an entry names it. A glob ending in "/" matches directories only, as
+in the shell. No walk or glob enters a tpupipe dataset directory
 (`is_dataset_dir`): its shards are not text.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import stat
 import sysconfig
 
+from workloads.local_glob import DirId, entry_is, glob_local, is_skipped, static_prefix, target_mode
 from workloads.manifest import MANIFEST
 from workloads.outdir import is_dataset_dir
 from workloads.sources import DatasetError, SourceFile, SourceStore
@@ -120,12 +122,11 @@ def _entry_root(entry: str) -> str:
         return sysconfig.get_paths()["stdlib"]
     if os.path.lexists(entry) or not WILDCARDS.search(entry):
         return entry
-    return _static_prefix(entry)
+    return static_prefix(entry)
 
 
 # A local file with its real path (symlinks resolved), the identity duplicates share.
 Located = tuple[str, SourceFile]
-DirId = tuple[int, int] | None  # (st_dev, st_ino) of the excluded directory
 
 
 def _dir_id(path: str | os.PathLike | None) -> DirId:
@@ -149,15 +150,16 @@ def _expand_local(entry: str, skip: DirId = None) -> list[Located]:
                 f"{MANIFEST}), not a corpus: give the files it was sharded from"
             )
         return _walk(entry, entry, skip)
-    if os.path.lexists(entry):  # also a FIFO or dangling link: refused by name in _local
+    if os.path.lexists(entry):  # also a FIFO, dangling or looping link: refused in _local
         base = _base(os.path.dirname(os.path.abspath(entry)))
         return [(os.path.realpath(entry), _local(os.path.abspath(entry), base))]
-    root = _static_prefix(entry)
+    root = static_prefix(entry)
     base, out, real_dirs = _base(root), [], {}
-    for match in sorted(_glob(entry, skip)):
-        if os.path.isdir(match):
+    for match in sorted(glob_local(entry, skip)):
+        mode = target_mode(match)
+        if stat.S_ISDIR(mode):
             out.extend(_walk(match, root, skip))
-        elif os.path.isfile(match):  # sockets, fifos and dangling links are not documents
+        elif stat.S_ISREG(mode):  # sockets, fifos and links leading nowhere are not documents
             out.append((_real(match, real_dirs), _local(os.path.abspath(match), base)))
     return out
 
@@ -170,97 +172,6 @@ def _real(path: str, real_dirs: dict[str, str]) -> str:
     if head not in real_dirs:
         real_dirs[head] = os.path.realpath(head)
     return os.path.join(real_dirs[head], name)
-
-
-def _static_prefix(pattern: str) -> str:
-    """The directory part of a glob before its first wildcard: the root keys are relative to."""
-    head = WILDCARDS.split(pattern, maxsplit=1)[0]
-    return os.path.dirname(head) or "."
-
-
-def _glob(pattern: str, skip: DirId) -> list[str]:
-    """Paths matching `pattern` as `glob.glob(pattern, recursive=True)` finds them, except
-    that `**` never descends through a directory symlink (`glob` does, and loops through a
-    link to an ancestor until the path is too long) nor into the `skip` directory or a
-    dataset directory. As in `glob`, wildcards match no leading "." unless the pattern has
-    one, and a pattern ending in "/" matches only directories."""
-    parts = [p for p in pattern.split(os.sep) if p]
-    bases = [os.sep if pattern.startswith(os.sep) else os.curdir]
-    dirs_at_end = pattern.endswith(os.sep)  # `corpus/*/`: the shell's directories only
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        matches: list[str] = []
-        for base in bases:
-            if part == "**":
-                # The last `**` names whole directories, which the caller walks.
-                matches.extend([base] if last else _subdirs(base, skip))
-            elif not WILDCARDS.search(part):
-                path = os.path.join(base, part)
-                if os.path.isdir(path) if last and dirs_at_end else os.path.lexists(path):
-                    matches.append(path)
-            else:
-                matches.extend(_matching(base, part, skip, dirs_only=dirs_at_end or not last))
-        bases = list(dict.fromkeys(matches))  # "a/**/**/b" reaches a path more than once
-    return bases
-
-
-def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
-    try:
-        with os.scandir(base) as it:
-            entries = list(it)
-    except (FileNotFoundError, NotADirectoryError):  # `corpus/*/x` meeting a file: no match
-        return []
-    except OSError as exc:
-        # `glob` skips a directory it cannot read, and its files would be left out of the
-        # dataset without a word: refused, as a walk refuses one.
-        where = os.path.normpath(base)
-        raise DatasetError(
-            f"dataset source directory {where} is not readable: {exc.strerror}"
-        ) from None
-    if is_dataset_dir(base, {e.name for e in entries}):
-        return []  # `corpus/*/*.arrayrecord` must not reach into a dataset either
-    hidden = part.startswith(".")
-    return [
-        e.path
-        for e in entries
-        if fnmatch.fnmatchcase(e.name, part)
-        and (hidden or not e.name.startswith("."))
-        and (not dirs_only or e.is_dir())
-        and not _is_skipped(e, skip)
-    ]
-
-
-def _subdirs(top: str, skip: DirId) -> list[str]:
-    """`top` and every directory below it that is neither hidden nor a dataset directory,
-    not through symlinks."""
-    out, pending = [], [top]
-    while pending:
-        directory = pending.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError as exc:
-            raise DatasetError(
-                f"dataset source directory {directory} is not readable: {exc.strerror}"
-            ) from exc
-        if is_dataset_dir(directory, {e.name for e in entries}):
-            continue
-        out.append(directory)
-        pending.extend(
-            e.path
-            for e in entries
-            if e.is_dir(follow_symlinks=False)
-            and not e.name.startswith(".")
-            and not _is_skipped(e, skip)
-        )
-    return out
-
-
-def _is_skipped(entry: os.DirEntry, skip: DirId) -> bool:
-    # The inode comes with the directory listing; only a match costs a stat.
-    if skip is None or entry.inode() != skip[1]:
-        return False
-    return entry.stat(follow_symlinks=False).st_dev == skip[0]
 
 
 def _walk(
@@ -294,9 +205,9 @@ def _walk(
             if e.name.startswith("."):  # .git, .DS_Store, editors' swap files: not corpus
                 continue
             if e.is_dir(follow_symlinks=False):
-                if e.name not in names and not _is_skipped(e, skip):
+                if e.name not in names and not is_skipped(e, skip):
                     pending.append(e.path)
-            elif e.name.endswith(suffix) and e.is_file():
+            elif e.name.endswith(suffix) and entry_is(e, directory=False):
                 real = os.path.realpath(e.path) if e.is_symlink() else real_top + e.path[len(top) :]
                 out.append((real, _local(e.path, base, e)))
     return out

@@ -3,9 +3,9 @@ by the same rules as a local directory or glob (`workloads.listing`).
 
 An object store has only names, no directories. The entry's static prefix is listed once,
 the names are split at "/" into a tree of "directories", and the glob is matched part by
-part on that tree the way `listing._glob` matches it on disk: `*`, `?` and `[...]` stay
-within one part, `**` is any number of directories including none, wildcards match no
-leading "." unless the pattern has one, and a pattern ending in "/" matches directories
+part on that tree the way `local_glob.glob_local` matches it on disk: `*`, `?` and `[...]`
+stay within one part, `**` is any number of directories including none, wildcards match
+no leading "." unless the pattern has one, and a pattern ending in "/" matches directories
 (everything below them). Matching the whole URI with `fnmatch` instead let `*` cross "/"
 and made `**/` need a directory, so one glob picked other files on gs:// than locally.
 """
@@ -70,7 +70,7 @@ def expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
         # pattern, as an existing local path does (`listing._expand_local`).
         wild, listing = None, [o for o in listing if o.uri.startswith(entry)]
     # Keys are relative to the prefix taken as a directory (like a local directory entry),
-    # or to a pattern's last "/" before its first wildcard (`listing._static_prefix`).
+    # or to a pattern's last "/" before its first wildcard (`local_glob.static_prefix`).
     root = prefix.rsplit("/", 1)[0] + "/" if wild else entry.rstrip("/") + "/"
     top = _tree(listing, root)
     if wild:
@@ -141,7 +141,7 @@ def _join(path: str, name: str) -> str:
 
 
 def _glob(pattern: str, top: _Node) -> list[Match]:
-    """What `listing._glob` finds for `pattern` (relative to `top`), on the tree."""
+    """What `local_glob.glob_local` finds for `pattern` (relative to `top`), on the tree."""
     parts = [p for p in pattern.split("/") if p]
     dirs_at_end = pattern.endswith("/")
     bases: list[Match] = [("", top)]
