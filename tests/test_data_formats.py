@@ -210,6 +210,18 @@ def test_a_lone_cr_does_not_end_a_line_and_the_error_says_so(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_only_the_cr_of_a_crlf_ending_is_part_of_the_line_break(tmp_path):
+    # "a\r\r\n" is the line "a\r": stripping every "\r" before the "\n" lost text.
+    path = tmp_path / "crcrlf.txt"
+    path.write_bytes(b"row one\r\r\nrow two\r\r\n\r\r\n\r\nrow three\r\r\r\n")
+    assert documents(path, text_unit="line") == [b"row one\r", b"row two\r", b"row three\r\r"]
+    assert documents(path) == [path.read_bytes()]  # a whole file keeps every byte
+    # In JSONL a "\r" after the object is whitespace, and one in its text stays text.
+    rows = tmp_path / "crcrlf.jsonl"
+    rows.write_bytes(b'{"text": "one\\r"}\r\r\n\r\r\n{"text": "two"}\r\n')
+    assert documents(rows, format="jsonl") == [b"one\r", b"two"]
+
+
 def bpe_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> Path:
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

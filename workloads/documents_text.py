@@ -96,9 +96,10 @@ def utf8(data: bytes, place: str, offset: int, errors: str, where: str = "of the
 
 def _numbered_lines(stream: BinaryIO, offset: int) -> Iterator[tuple[int, int, bytes]]:
     """(line number, byte offset of the line, line without its line break), the first
-    line at `offset`."""
+    line at `offset`. The break is the "\n" and at most one "\r" before it: a "\r\n"
+    ending counts as "\n", any other "\r" is text ("a\r\r\n" is the line "a\r")."""
     for number, raw in enumerate(stream, start=1):
-        line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
+        line = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
         yield number, offset, line
         offset += len(raw)
 
