@@ -157,16 +157,45 @@ def test_an_unwritable_out_directory_is_named(tmp_path):
         data.shard_dataset(cfg_for(make_corpus(tmp_path)), tmp_path / "ro")
 
 
-def test_a_tokenizer_that_cannot_encode_a_document_names_it(tmp_path):
+# Five documents, the fourth one the tokenizer below cannot encode, blank lines between
+# them: a line number is not a document number.
+_DOCS = ["hello world", "world", "hello", "hello x", "world hello"]
+_LINES = (
+    b"\n\n".join(d.encode() for d in _DOCS[:2])
+    + b"\n \r\n"
+    + b"\n".join(d.encode() for d in _DOCS[2:])
+)  # documents on lines 1, 3, 5, 6, 7
+_JSONL = b"\xef\xbb\xbf" + b"\n\n".join(json.dumps({"text": d}).encode() for d in _DOCS)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "place"),
+    [
+        ("a.jsonl", {"format": "jsonl"}, r"a\.jsonl:7: "),
+        ("a.jsonl.gz", {"format": "jsonl"}, r"a\.jsonl\.gz:7: "),
+        ("a.txt", {"text_unit": "line"}, r"a\.txt:6: "),
+        ("a.txt", {}, r"a\.txt: "),
+        ("a.parquet", {"format": "parquet"}, r"a\.parquet: row 4: column 'text': "),
+    ],
+)
+def test_a_tokenizer_that_cannot_encode_a_document_names_its_line_or_row(
+    tmp_path, name, options, place
+):
+    # It named "document N", the Nth non-blank line, where every other error of the format
+    # names the line (JSONL, text lines) or the row (Parquet).
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # "<unk>" is not in the vocabulary
     tok.save(str(tmp_path / "tok.json"))
-    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world"}] * 5 + [{"text": "x"}])
-    with pytest.raises(
-        DatasetError, match=r"a\.jsonl: document 6: tokenizer file .*tok\.json cannot encode"
-    ):
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"text": _DOCS}), path, row_group_size=2)
+    elif name.endswith(".gz"):
+        path.write_bytes(gzip.compress(_JSONL))
+    else:
+        path.write_bytes(_JSONL if "jsonl" in name else _LINES)
+    with pytest.raises(DatasetError, match=place + r"tokenizer file .*tok\.json cannot encode"):
         data.shard_dataset(
-            cfg(path, format="jsonl", tokenizer=str(tmp_path / "tok.json")), tmp_path / "out"
+            cfg(path, tokenizer=str(tmp_path / "tok.json"), **options), tmp_path / "o"
         )
 
 

@@ -33,6 +33,7 @@ from workloads import compression
 from workloads.documents_parquet import parquet_documents
 from workloads.documents_text import (
     jsonl_documents,
+    line_of_document,
     refuse_binary,
     skip_bom,
     text_lines,
@@ -43,6 +44,7 @@ from workloads.sources import (
     SourceFile,
     SourceStore,
     changed,
+    check_unchanged,
     open_source,
     unreadable,
 )
@@ -126,6 +128,40 @@ def iter_documents(fh: BinaryIO, src: SourceFile, opts: ReadOptions) -> Iterator
         raise changed(src) from exc
     except compression.ERRORS as exc:  # a corrupt compressed stream; a store's refusal
         raise unreadable(src, exc) from exc
+
+
+def document_place(
+    src: SourceFile, index: int, opts: ReadOptions, store: SourceStore | None = None
+) -> str:
+    """Where document `index` (from 0) of `src` is, as the readers' own errors name it: the
+    file (a whole-file document), `file:line` (JSONL, text lines) or `file: row N: column`
+    (Parquet), for an error found after reading, such as the tokenizer's.
+
+    Readers do not keep each document's line number: every document of every run would pay
+    for what only an error needs. The file is read again instead, up to that line, once the
+    error is raised. If that fails (the file changed meanwhile, or cannot be read now), the
+    document is named by its number in the file.
+
+    Args:
+        src: The file.
+        index: The document's position among the file's documents.
+        opts: How the file was read.
+        store: Reads `src` if it is remote.
+    """
+    fmt = opts.format_of(src.uri)
+    if fmt == "text" and opts.text_unit == "file":
+        return src.uri
+    if fmt == "parquet":  # every row is a document (a null is an error)
+        return f"{src.uri}: row {index + 1}: column {opts.text_field!r}"
+    try:
+        with open_source(src, store) as fh:
+            stream = compression.open_decompressed(fh)[0]
+            skip_bom(stream)
+            number = line_of_document(stream, index)
+            check_unchanged(fh, src)
+    except (DatasetError, *compression.ERRORS):
+        number = None
+    return f"{src.uri}:{number}" if number else f"{src.uri}: document {index + 1}"
 
 
 def lone_cr_hint(

@@ -104,6 +104,18 @@ def _numbered_lines(stream: BinaryIO, offset: int) -> Iterator[tuple[int, int, b
         offset += len(raw)
 
 
+def line_of_document(stream: BinaryIO, index: int) -> int | None:
+    """The line number of document `index` (from 0) of a JSONL or line-per-document text
+    `stream` (positioned after any byte order mark): its `index`-th non-blank line, blank
+    lines being skipped by both readers alike. None if the stream has fewer."""
+    for number, _, line in _numbered_lines(stream, 0):
+        if line.strip():
+            if not index:
+                return number
+            index -= 1
+    return None
+
+
 def text_lines(
     stream: BinaryIO, src: SourceFile, cfg: ReadOptions, where: str, start: int
 ) -> Iterator[bytes]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from workloads.documents import ReadOptions, iter_documents
+from workloads.documents import ReadOptions, document_place, iter_documents
 from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256, start_writeback
 from workloads.sources import DatasetError, SourceFile, SourceStore, check_unchanged, open_source
 from workloads.tokens import EncodeError, TokenizerSpec, encode
@@ -102,8 +102,8 @@ def tokenize_unit(job: UnitJob) -> dict:
     stats = {s: dict.fromkeys(fields, 0) for s in SPLITS}
     pending: dict[str, list[bytes]] = {s: [] for s in SPLITS}
     # (file, document number) of each pending document: only read to name a document the
-    # tokenizer fails on.
-    origin: dict[str, list[tuple[str, int]]] = {s: [] for s in SPLITS}
+    # tokenizer fails on, whose line `document_place` then finds by reading the file again.
+    origin: dict[str, list[tuple[SourceFile, int]]] = {s: [] for s in SPLITS}
     pending_bytes = dict.fromkeys(SPLITS, 0)
     spills = {s: job.path(f"{s}.tmp") for s in SPLITS}
     outs = {}
@@ -115,8 +115,8 @@ def tokenize_unit(job: UnitJob) -> dict:
         try:
             ids, last = encode(job.tokenizer, pending[split])
         except EncodeError as exc:
-            uri, n = origin[split][exc.index]
-            place = uri if job.read.whole_files(uri) else f"{uri}: document {n + 1}"
+            src, n = origin[split][exc.index]
+            place = document_place(src, n, job.read, job.store)
             raise DatasetError(f"{place}: {exc}") from None
         with write_errors(spills[split]):
             outs[split].write(memoryview(ids).cast("B"))  # the array's bytes, not a copy
@@ -137,7 +137,7 @@ def tokenize_unit(job: UnitJob) -> dict:
                         key = src.key if whole else f"{src.key}#{n}"
                         split = "eval" if in_eval(key, job.eval_fraction) else "train"
                         pending[split].append(doc)
-                        origin[split].append((src.uri, n))
+                        origin[split].append((src, n))
                         pending_bytes[split] += len(doc)
                         stats[split]["documents"] += 1
                         stats[split]["bytes"] += len(doc)

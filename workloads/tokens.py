@@ -33,7 +33,7 @@ UINT16_VOCAB = 1 << 16
 
 class EncodeError(DatasetError):
     """The tokenizer failed on a document; `index` is its position in the batch given to
-    `encode`, so the caller can name the document's file."""
+    `encode`, so the caller can name the document's place (`document_place`)."""
 
     def __init__(self, message: str, index: int = 0):
         super().__init__(message)
