@@ -7,14 +7,18 @@
 Prints the dataset directory on stdout; exits 0 when the dataset is complete (written now or
 found cached), 1 on bad input (the message names the file and line, row or offset) or an
 --out that is not a writable directory, 2 on invalid options, 3 when a worker process died
-(out of memory?: run again). A run failed on bad input leaves nothing under --out; a killed
-one, or one whose worker died, leaves its finished work for the next run.
+(out of memory?: run again); Ctrl-C, SIGTERM and SIGHUP stop it with one line (130, 143,
+129). A run failed on bad input leaves nothing under --out; a killed or stopped one, or one
+whose worker died, leaves its finished work for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -77,7 +81,65 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `tpupipe shard`; returns the exit code."""
+    """Run `tpupipe shard`; returns the exit code.
+
+    Ctrl-C, SIGTERM and SIGHUP stop it with one line on stderr, not a traceback: by then the
+    worker processes are gone and the finished work is kept for the next run. SIGTERM and
+    SIGHUP exit 143 and 129 (`flows.local_run` raises them as `SystemExit`); Ctrl-C's
+    KeyboardInterrupt goes on up, so the process ends as Python ends on one: killed by
+    SIGINT once cleaned up (130 in a shell), which also stops a shell script running it
+    (bash goes on after a command that exited 130 by itself).
+    """
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        _say_stopped("Ctrl-C")
+        sys.excepthook = _quiet_interrupt  # the line above says it all
+        raise
+    except SystemExit as exc:
+        if exc.code in _SIGNAL_EXITS:
+            _say_stopped(_SIGNAL_EXITS[exc.code])
+        raise
+
+
+# The exit codes `flows.local_run.exit_on_signals` gives SIGTERM and SIGHUP (128 + signal).
+_SIGNAL_EXITS = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
+
+
+def _say_stopped(what: str) -> None:
+    message = f"sharding stopped by {what}; run it again to go on (finished work is reused)"
+    with contextlib.suppress(OSError):  # stderr went with the terminal or the pipe reading it
+        print(message, file=sys.stderr)
+
+
+def _quiet_interrupt(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """`sys.excepthook` once Ctrl-C is reported: nothing more for it, the default for any
+    other exception."""
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Handle Ctrl-C, SIGTERM and SIGHUP only once the block is done. Their handlers, not
+    their delivery, are held off: blocking them in this thread still let another thread
+    (numpy's BLAS pool) take one, and its handler ran here all the same."""
+    caught: list[int] = []
+    held = {
+        signum: signal.signal(signum, lambda got, _: caught.append(got))
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        if callable(signal.getsignal(signum))  # ignored (nohup) or default: left as it is
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # its handler runs now
+
+
+def _run(args: argparse.Namespace) -> int:
     given = {field: getattr(args, field) for field in _FLAGS if getattr(args, field) is not None}
     try:
         cfg = DatasetConfig(sources=args.sources, **given)
@@ -106,10 +168,15 @@ def run(args: argparse.Namespace) -> int:
         TimeRemainingColumn,
     )
 
-    # Imports Prefect (~2 s): only when there is work to do.
-    from infra.gcp.clients import CredentialsError
-    from tasks.prepare import shard_corpus
     from workloads.shard_pool import WorkerDied
+
+    # Imports Prefect (~2 s): only when there is work to do. Signals wait for the import:
+    # it runs pydantic serializers, which turn a KeyboardInterrupt or SystemExit raised in
+    # them into a PydanticSerializationError (a traceback, exit 1), and a SystemExit in
+    # duckdb's module init aborted the interpreter (SIGABRT).
+    with _signals_deferred():
+        from infra.gcp.clients import CredentialsError
+        from tasks.prepare import shard_corpus
 
     bars: dict[str, Any] = {}
     with Progress(

@@ -1,6 +1,7 @@
 """`tpupipe` hung up: closing its terminal or SSH session (SIGHUP) stops it as SIGTERM
 does. It used to kill the process at once: `tpupipe run` left its workload training with
-no teardown and no `runs` row (the whole-pipeline case is in tests/test_chaos.py)."""
+no teardown and no `runs` row (the whole-pipeline case is in tests/test_chaos.py). And a
+signal to a `tpupipe shard`'s whole process group stops it with one line."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from flows import local_run
+import pytest
+
+from flows import cli, local_run
 from tests.test_data import make_corpus
 from tests.test_shard_pool import running
 
@@ -109,3 +112,101 @@ def test_a_hang_up_that_nohup_ignores_stays_ignored():
     finally:
         signal.signal(signal.SIGHUP, hang_up)
         signal.signal(signal.SIGTERM, term)
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "said"),
+    [
+        (signal.SIGINT, -signal.SIGINT, "Ctrl-C"),  # killed by it, as Python ends on Ctrl-C
+        (signal.SIGTERM, 128 + signal.SIGTERM, "SIGTERM"),
+        (signal.SIGHUP, 128 + signal.SIGHUP, "SIGHUP"),
+    ],
+    ids=["ctrl-c", "sigterm", "sighup"],
+)
+def test_a_signal_to_a_shard_runs_group_stops_it_with_one_line(tmp_path, signum, status, said):
+    # As a terminal sends Ctrl-C or its hang-up, to every process of the group. Ctrl-C
+    # printed a KeyboardInterrupt traceback, and an idle worker one of its own; SIGHUP
+    # killed multiprocessing's resource tracker, which the exit relaunched ("Some resources
+    # might leak") to a `KeyError: '/mp-...'` traceback per semaphore.
+    script, marker = tmp_path / "stalled.py", tmp_path / "stalled"
+    script.write_text(STALLED_SHARD)
+    corpus, out = make_corpus(tmp_path), tmp_path / "ds"
+    argv = ["shard", "--source", str(corpus), "--out", str(out), "--seq-len", "16"]
+    run = subprocess.Popen(
+        [sys.executable, str(script), str(marker), *argv, "--workers", "2"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # The resource tracker and the forkserver, children of the run, and the worker.
+        while not (marker.exists() and len(helpers := _children(run.pid)) >= 3):
+            assert run.poll() is None and time.monotonic() < deadline, "never sharded"
+            time.sleep(0.05)
+        os.killpg(run.pid, signum)
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    bars = ("tokenize (bytes)", "write (records)")  # the progress bars' lines
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    lines = [line for line in lines if not line.strip().startswith(bars)]
+    assert lines == [
+        f"sharding stopped by {said}; run it again to go on (finished work is reused)"
+    ], err.decode()
+    assert run.returncode == status
+    deadline = time.monotonic() + 10
+    while alive := [pid for pid in helpers if running(pid)]:
+        assert time.monotonic() < deadline, f"processes {alive} outlived the run"
+        time.sleep(0.05)
+    assert cli.main([*argv, "--workers", "1"]) == 0  # the next run finishes the dataset
+
+
+# `tpupipe shard` interrupted while it imports Prefect: pydantic, run by that import, turns a
+# KeyboardInterrupt raised in its serializers into a PydanticSerializationError, as this
+# import hook turns it into a RuntimeError.
+CTRL_C_IN_IMPORT = """
+import os, signal, sys, time
+
+from flows.cli import main
+
+
+class CtrlCInImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tasks.prepare":
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+            except KeyboardInterrupt as exc:
+                raise RuntimeError("serializer failed") from exc
+        return None
+
+
+sys.modules.pop("tasks.prepare", None)
+sys.meta_path.insert(0, CtrlCInImport())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_prefect_is_imported_waits_for_the_import(tmp_path):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_IMPORT)
+    corpus = make_corpus(tmp_path)
+    argv = ["shard", "--source", str(corpus), "--out", str(tmp_path / "ds"), "--workers", "1"]
+    out = subprocess.run(
+        [sys.executable, str(script), *argv],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stderr.splitlines() == [
+        "sharding stopped by Ctrl-C; run it again to go on (finished work is reused)"
+    ]
+    assert out.returncode == -signal.SIGINT

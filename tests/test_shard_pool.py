@@ -211,7 +211,7 @@ def test_workers_of_a_run_started_as_python_m_start_without_importing_its_main_a
 def test_the_forkserver_preloads_the_module_run_with_python_m_only():
     import types
 
-    from workloads.shard_pool import PRELOAD, forkserver_preload
+    from workloads.pool_processes import PRELOAD, forkserver_preload
 
     def main(spec_name):
         module = types.ModuleType("__main__")
@@ -221,3 +221,67 @@ def test_the_forkserver_preloads_the_module_run_with_python_m_only():
     assert forkserver_preload(main("prefect.engine")) == [*PRELOAD, "prefect.engine"]
     assert forkserver_preload(main("pytest.__main__")) == list(PRELOAD)  # workers skip it
     assert forkserver_preload(main(None)) == list(PRELOAD)  # a script
+
+
+# A pool's processes and the signals a terminal sends its whole process group.
+POOL_SIGNALS = """
+import json, os, signal, sys, time
+import multiprocessing.forkserver, multiprocessing.resource_tracker
+from pathlib import Path
+
+from workloads.shard_pool import worker_pool
+
+
+def job(args):
+    marks, parent = args
+    if os.getpid() == parent:  # this process: done once the worker has run a job
+        deadline = time.monotonic() + 30
+        while not os.listdir(marks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return None
+    Path(marks, str(os.getpid())).touch()
+    return [signal.getsignal(signal.SIGINT) == signal.SIG_IGN, list(signal.pthread_sigmask(0, []))]
+
+
+def masks(pid):  # the signals process `pid` blocks and ignores, as bits
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in status)
+    return [int(fields[name], 16) for name in ("SigBlk", "SigIgn")]
+
+
+if __name__ == "__main__":
+    with worker_pool(2) as run:
+        (worker, *_) = [r for r in run(job, [(sys.argv[1], os.getpid())] * 4) if r]
+        helpers = [
+            multiprocessing.resource_tracker._resource_tracker._pid,
+            multiprocessing.forkserver._forkserver._forkserver_pid,
+        ]
+        print(json.dumps({"worker": worker, "helpers": [masks(pid) for pid in helpers]}))
+"""
+
+
+def test_ctrl_c_and_a_hang_up_are_the_runs_to_handle(tmp_path):
+    # Sent to the whole group: multiprocessing's resource tracker died of SIGHUP (the exit
+    # relaunched it, to "Some resources might leak" and a KeyError traceback per
+    # semaphore), the forkserver of SIGHUP and SIGTERM, and an idle worker printed a
+    # KeyboardInterrupt traceback for Ctrl-C. The run stops its workers itself.
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    script, marks = tmp_path / "signals.py", tmp_path / "marks"
+    script.write_text(POOL_SIGNALS)
+    marks.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(marks)], env=env, capture_output=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    seen = json.loads(out.stdout)
+    ignores_ctrl_c, blocked = seen["worker"]
+    assert ignores_ctrl_c and blocked == []  # SIGTERM and SIGHUP end a worker as before
+    for blocked_bits, ignored_bits in seen["helpers"]:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            assert (blocked_bits | ignored_bits) >> (signum - 1) & 1, signum

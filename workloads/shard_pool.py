@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import select
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
+
+from workloads.pool_processes import forkserver_preload, init_worker, start_helpers
 
 # Jobs in flight per worker: the one it runs and one queued behind it. Handing a worker its
 # next job takes the feeder thread the GIL, which the work in this process holds up to 5 ms
@@ -44,13 +43,15 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
     may hold locks, could deadlock the child. A `ProcessPoolExecutor`, not a
     `multiprocessing.Pool`: a worker killed by the OOM killer raises instead of hanging.
     Workers keep the memory they free and exit with this process (`init_worker`);
-    this process's allocator, the caller's, is left as it is.
+    this process's allocator, the caller's, is left as it is. Signals sent to the whole
+    process group are this process's to act on (`start_helpers`, `init_worker`).
     """
     if workers <= 1:
         yield lambda fn, jobs: map(fn, jobs)
         return
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(forkserver_preload())
+    start_helpers()
     executor = ProcessPoolExecutor(
         workers - 1, mp_context=ctx, initializer=init_worker, initargs=(os.getpid(),)
     )
@@ -81,36 +82,6 @@ def worker_pool(workers: int) -> Iterator[Callable[[Callable, Iterable], Iterato
     # Every job is done; not waiting spares a run that needed no worker the wait for one
     # still starting. Workers exit once they read the shutdown, or with this process.
     executor.shutdown(wait=False, cancel_futures=True)
-
-
-# What every worker imports to run a job, and what a caller's main module most often
-# imports at its top (the `tpupipe` script: flows.cli, whose cost is workloads.config).
-PRELOAD = ("workloads.data", "workloads.shard_pool")
-
-
-def forkserver_preload(main: object | None = None) -> list[str]:
-    """The modules the forkserver imports once, so that the workers forked from it start
-    with them: `PRELOAD`, and the module the caller runs as `python -m NAME`.
-
-    Why the main module: multiprocessing runs it again in every worker before its first
-    job (workers could unpickle functions defined there), so every module it imports at
-    its top is imported again per worker, per pool. Prefect deployments run flows as
-    `python -m prefect.engine`: its import took 0.84 s here, and no sharding worker ever
-    got a job in a run shorter than that (a probe of 200 jobs of 2.5 ms: none before,
-    half of them now, the first after 17-20 ms). Imported once in the forkserver, the
-    workers' run of it finds its imports done. A script's path cannot be preloaded
-    (Python 3.11's forkserver is never handed it, though `"__main__"` asks for it), hence
-    `PRELOAD` for the `tpupipe` script's imports (flows.cli: 0.16 s, 0.02 s after it).
-
-    Args:
-        main: The `__main__` module (default: this process's).
-    """
-    main = sys.modules.get("__main__") if main is None else main
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    # Workers skip a package's `__main__` (`python -m pkg`), as multiprocessing does.
-    if name and name != "__main__" and not name.endswith(".__main__"):
-        return [*PRELOAD, name]
-    return list(PRELOAD)
 
 
 class WorkerDied(RuntimeError):
@@ -253,68 +224,3 @@ def _feed(pool: _Workers, fn: Callable, board: _Board) -> None:
                 board.put(index, True, future.result())
             except BaseException as exc:  # the job's own error, BrokenProcessPool, cancelled
                 board.put(index, False, exc)
-
-
-def init_worker(parent: int) -> None:
-    """Sharding workers' initializer: exit with the process that started the pool (pid
-    `parent`), and keep freed memory for reuse (`keep_freed_memory`)."""
-    exit_with(parent)
-    keep_freed_memory()
-
-
-def exit_with(parent: int) -> None:
-    """End this process as soon as process `parent` is gone.
-
-    Workers are children of the forkserver, not of the run, so nothing else stops them
-    when the run is killed (SIGKILL, the OOM killer, or SIGTERM's default action): they
-    went on tokenizing for minutes, holding the caller's stdout open, and renamed shards
-    under the next run of the same dataset. A pidfd wakes a watcher thread the moment the
-    parent exits; where there is none (not Linux), the thread polls once a second.
-    """
-    try:
-        fd = os.pidfd_open(parent)
-    except ProcessLookupError:
-        os._exit(1)  # already gone
-    except (AttributeError, OSError):
-        fd = None
-
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while pid_alive(parent):
-                time.sleep(1.0)
-        os._exit(1)  # no clean-up: the unfinished work is the next run's to redo
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (someone else's too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def keep_freed_memory() -> None:
-    """Have glibc's malloc keep freed memory for reuse.
-
-    Each encode batch's arrays (several MB) are otherwise handed back to the kernel when
-    freed and faulted in afresh by the next batch: sharding the 31 MB stdlib corpus took
-    34,000 page faults to tokenize and 18,000 to write (5,000 and 7,000 with this), and
-    the system time they cost exceeded the tokenizing's own. Workers live for one
-    sharding run, so holding on to their peak memory costs nothing after. A no-op where
-    the C library has no `mallopt` (macOS, musl).
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library the process runs on
-    except (OSError, AttributeError, TypeError):
-        return
-    mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large arrays from the heap, not fresh mmaps
-    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not shrink the heap between batches

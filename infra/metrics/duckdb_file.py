@@ -18,7 +18,7 @@ from pathlib import Path
 
 import duckdb
 
-from workloads.shard_pool import pid_alive
+from workloads.pool_processes import pid_alive
 
 # A DuckDB file starts with a 4 KB main header (a checksum, then the magic bytes "DUCK" at
 # byte 8) and two 4 KB database headers: no complete database file is shorter than that.
