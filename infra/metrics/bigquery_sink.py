@@ -21,27 +21,24 @@ and its `runs` row keeps the stored results it has no value for (the landing rul
 sweep's trials (`sweeps`) land the same way as a completed run's, scoped by `sweep_id`
 instead of `run_id`.
 
-The schemas and SQL text the sink sends are built in `infra.metrics.bigquery_sql`; every
-call to BigQuery, with its retries (`RETRY`) and time limits, is made here.
+The schemas and SQL text the sink sends are built in `infra.metrics.bigquery_sql`; the
+dataset's location check, the tables' creation and migration and the staging loads are in
+`infra.metrics.bigquery_tables`. Every call to BigQuery takes its retries (`RETRY`) and time
+limits from here, read at the call.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
-import hashlib
-import io
-import json
 import logging
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from google.api_core import exceptions as gexc
 from google.cloud import bigquery
 
 from infra.gcp.retries import logged_retry
-from infra.metrics.bigquery_sql import bq_schema, changed_types, dedupe, merge_sql, sql_literal
+from infra.metrics import bigquery_tables
+from infra.metrics.bigquery_sql import bq_schema, dedupe, merge_sql, sql_literal
+from infra.metrics.bigquery_tables import STAGING_TTL, LocationError, SchemaError
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -54,9 +51,10 @@ from infra.metrics.rows import (
     replaces_landed,
 )
 
+__all__ = ["BigQuerySink", "LocationError", "SchemaError", "bq_schema"]
+
 log = logging.getLogger(__name__)
 
-STAGING_TTL = dt.timedelta(days=1)
 # Transient errors of one call; a landing as a whole is safe to re-run anyway. The
 # BigQuery library's own predicate, not a list of status codes: BigQuery answers its rate
 # limits (e.g. too many updates of one table's metadata) with 403 rateLimitExceeded, which
@@ -69,14 +67,6 @@ RETRY = logged_retry("BigQuery call failed", bigquery.DEFAULT_RETRY._predicate)
 CALL_TIMEOUT_S = 60.0
 # A load or query job's wait for its result.
 JOB_TIMEOUT_S = 300.0
-
-
-class SchemaError(RuntimeError):
-    """A row model and its existing table disagree in a way BigQuery cannot migrate."""
-
-
-class LocationError(RuntimeError):
-    """The dataset exists in another location than the sink's jobs run in."""
 
 
 class BigQuerySink:
@@ -114,9 +104,9 @@ class BigQuerySink:
         # Look first: an orchestrator granted only dataset-level roles may not create
         # datasets, and a create of an existing one would answer 403, not 409.
         if not self.check_location():
-            ds = bigquery.Dataset(self.dataset)
-            ds.location = self.location
-            self.client.create_dataset(ds, exists_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S)
+            bigquery_tables.create_dataset(
+                self.client, self.dataset, self.location, retry=RETRY, timeout=CALL_TIMEOUT_S
+            )
         for model in self.models:
             self._ensure_table(model)
         self._ready = True
@@ -131,19 +121,9 @@ class BigQuerySink:
         Raises:
             LocationError: it exists in another location than `location`.
         """
-        try:
-            existing = self.client.get_dataset(self.dataset, retry=RETRY, timeout=CALL_TIMEOUT_S)
-        except gexc.NotFound:
-            return False
-        # A job runs in one location: every load and MERGE would fail with "Not found:
-        # Dataset ... in location US" for a dataset that exists, after the whole run.
-        if (existing.location or self.location).lower() != self.location.lower():
-            raise LocationError(
-                f"BigQuery dataset {self.dataset} is in {existing.location}, but "
-                f"metrics.location is {self.location}: set metrics.location to "
-                f"{existing.location}"
-            )
-        return True
+        return bigquery_tables.dataset_exists(
+            self.client, self.dataset, self.location, retry=RETRY, timeout=CALL_TIMEOUT_S
+        )
 
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
@@ -180,7 +160,7 @@ class BigQuerySink:
                 )
         script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
         landing = f"landing run {run.run_id} into {self.dataset}"
-        with _naming(f"{landing} (one transaction)"):
+        with bigquery_tables.naming(f"{landing} (one transaction)"):
             self._query(script)
         self._drop_staging([self._staging(m, run.run_id) for m in self.models], landing)
         counts = {m.table: len(by_table.get(m.table, [])) for m in self.models}
@@ -211,7 +191,7 @@ class BigQuerySink:
         self._stage(SweepRow, sweep_id, trials)
         merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
         landing = f"landing sweep {sweep_id} into {self._table(SweepRow)}"
-        with _naming(landing):
+        with bigquery_tables.naming(landing):
             self._query(f"BEGIN TRANSACTION;\n{merge};\nCOMMIT TRANSACTION;")
         self._drop_staging([self._staging(SweepRow, sweep_id)], landing)
         return len(trials)
@@ -233,10 +213,7 @@ class BigQuerySink:
         return f"{self.dataset}.{model.table}"
 
     def _staging(self, model: type[TableRow], scope: str) -> str:
-        # Table names allow letters, digits and '_': the hash keeps distinct ids apart.
-        safe = re.sub(r"[^A-Za-z0-9_]", "_", scope)[:200]
-        digest = hashlib.sha256(scope.encode()).hexdigest()[:12]
-        return f"{self.dataset}._staging_{model.table}_{safe}_{digest}"
+        return bigquery_tables.staging_table(self.dataset, model, scope)
 
     def _drop_staging(self, tables: Sequence[str], landing: str) -> None:
         """Drop the staging tables of `landing`, whose MERGE has committed.
@@ -264,61 +241,24 @@ class BigQuerySink:
 
     def _ensure_table(self, model: type[TableRow]) -> None:
         """Create the model's table (day-partitioned, clustered) or add its new columns."""
-        table = bigquery.Table(self._table(model), schema=bq_schema(model))
-        table.time_partitioning = bigquery.TimePartitioning(
-            type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
+        have = bigquery_tables.create_table(
+            self.client, self._table(model), model, retry=RETRY, timeout=CALL_TIMEOUT_S
         )
-        table.clustering_fields = list(model.cluster_fields)
-        existing = self.client.create_table(
-            table, exists_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S
-        )
-        self._add_columns(model, {f.name: f.field_type for f in existing.schema})
-
-    def _add_columns(self, model: type[TableRow], have: dict[str, str]) -> None:
-        """Add the model's columns the table lacks; refuse a column whose type changed."""
-        changed = changed_types(model, have)
-        if changed:
-            raise SchemaError(
-                f"{self._table(model)}: column types changed ({', '.join(changed)}); BigQuery "
-                "cannot convert them in place: add a new column instead"
-            )
-        for field in (f for f in bq_schema(model) if f.name not in have):
-            # Always NULLABLE, even for a field the model requires: the rows already in the
-            # table have no value for it. DDL rather than a schema patch, and IF NOT EXISTS,
-            # so a concurrent or repeated migration is harmless.
-            self._query(
-                f"ALTER TABLE `{self._table(model)}` "
-                f"ADD COLUMN IF NOT EXISTS {field.name} {field.field_type}"
-            )
+        for sql in bigquery_tables.migration_sql(self._table(model), model, have):
+            self._query(sql)
 
     def _stage(self, model: type[TableRow], scope: str, rows: Sequence[TableRow]) -> None:
-        data = "".join(json.dumps(r.model_dump(mode="json")) + "\n" for r in rows).encode()
-        config = bigquery.LoadJobConfig(
-            schema=bq_schema(model),
-            source_format=bigquery.SourceFormat.NEWLINE_DELIMITED_JSON,
-            write_disposition=bigquery.WriteDisposition.WRITE_TRUNCATE,
-            create_disposition=bigquery.CreateDisposition.CREATE_IF_NEEDED,
-        )
-        staging = self._staging(model, scope)
-        with _naming(f"loading {len(rows)} rows for {self._table(model)} into {staging}"):
-            self._load(staging, data, config)
-
-    def _load(self, staging: str, data: bytes, config: bigquery.LoadJobConfig) -> None:
-        # Dropped first: one a crash left (it lives a day) may have an older schema, which
-        # the emulator keeps through WRITE_TRUNCATE, and the MERGE then misses columns.
-        self.client.delete_table(staging, not_found_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S)
-        job = self.client.load_table_from_file(
-            io.BytesIO(data),
-            staging,
-            job_config=config,
-            rewind=True,
+        bigquery_tables.load_staging(
+            self.client,
+            self._staging(model, scope),
+            self._table(model),
+            model,
+            rows,
             location=self.location,
+            retry=RETRY,
             timeout=CALL_TIMEOUT_S,
+            job_timeout=JOB_TIMEOUT_S,
         )
-        job.result(retry=RETRY, timeout=JOB_TIMEOUT_S)
-        table = self.client.get_table(staging, retry=RETRY, timeout=CALL_TIMEOUT_S)
-        table.expires = dt.datetime.now(dt.UTC) + STAGING_TTL  # a crash's leftovers go away
-        self.client.update_table(table, ["expires"], retry=RETRY, timeout=CALL_TIMEOUT_S)
 
     def _merge_sql(
         self,
@@ -346,14 +286,3 @@ class BigQuerySink:
             timeout=CALL_TIMEOUT_S,
         )
         return job.result(retry=RETRY, job_retry=None, timeout=JOB_TIMEOUT_S)
-
-
-@contextlib.contextmanager
-def _naming(place: str) -> Iterator[None]:
-    """Put `place` (the run, the table) in front of an API error's message, keeping its
-    type: the library's own names only a URL ("503 POST .../jobs?uploadType=resumable")."""
-    try:
-        yield
-    except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
-        exc.message = f"{place}: {exc.message}"
-        raise

@@ -3,8 +3,9 @@ types (and which of them a table has with another type), the rows of each table
 de-duplicated, and the SQL text of a landing (the MERGE of a staging table into its
 target, a run id as a literal).
 
-Pure functions, no client: the calls, with their retries and time limits, are in
-`infra.metrics.bigquery_sink`, which builds on these (and re-exports `bq_schema`).
+Pure functions, no client: the calls are in `infra.metrics.bigquery_sink` (with their retries
+and time limits) and `infra.metrics.bigquery_tables`, which build on these (the sink
+re-exports `bq_schema`).
 """
 
 from __future__ import annotations
