@@ -1,0 +1,92 @@
+"""The dataset fingerprint: which sources, tokenizer and options a dataset's bytes depend on.
+
+`dataset_fingerprint` names a dataset's directory (`workloads.data`): a run that finds it
+complete does no work. `byte_options` are the options recorded with it, in the manifest
+too; `same_records` says whether a dataset an older version built under another
+fingerprint holds the same records (a run over it resumes over the new one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from workloads.config import DatasetConfig
+from workloads.documents import file_format
+from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
+from workloads.sources import DatasetError, SourceFile
+from workloads.tokens import TokenizerSpec, load_tokenizer
+
+
+def byte_options(cfg: DatasetConfig, files: list[SourceFile]) -> dict:
+    """The options that change the shards' bytes (what the fingerprint and manifest record).
+
+    Options that have no effect on the formats `files` are read in are left out, so
+    changing them does not miss the cache. Format "auto" is recorded as the one format its
+    files resolve to when they agree (the same bytes as that format given outright), else
+    as "auto".
+    """
+    keys = {"errors", "seq_len", "eval_fraction", "num_shards", "max_bytes"}
+    out = cfg.model_dump(mode="json", include=keys | {"tokenizer"})
+    used = {file_format(f.uri, cfg.format) for f in files} or {cfg.format}
+    out["format"] = next(iter(used)) if len(used) == 1 else cfg.format
+    if used & {"text", "auto"}:
+        out["text_unit"] = cfg.text_unit
+    if used - {"text"}:
+        out["text_field"] = cfg.text_field
+    return out
+
+
+def dataset_fingerprint(
+    files: list[SourceFile], cfg: DatasetConfig, tokenizer: TokenizerSpec
+) -> str:
+    """First 16 hex digits of a sha256 over everything that changes the shards' bytes.
+
+    Args:
+        files: The source files read (identity = URI, key, size and version, not content,
+            so a cache hit costs one `stat` or listing per file).
+        cfg: Dataset options; `sources` itself is covered by `files`, `tokenizer` by the
+            tokenizer's content rather than its path.
+        tokenizer: The loaded tokenizer.
+
+    Returns:
+        The fingerprint, also the dataset's directory name.
+    """
+    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.fingerprint_entry(),
+        "options": options,
+        "files": [[f.uri, f.key, f.size, f.version] for f in files],
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def same_records(
+    dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]
+) -> bool:
+    """Whether the local dataset in `dataset_dir` holds the records that `cfg` over `files`
+    gives now, though its fingerprint differs: it was built from the same sources, tokenizer
+    and options by an older version whose records hold the same ids in the same order
+    (format `SAME_RECORDS_SINCE` or later; only their storage changed). A run that trained on
+    it resumes exactly over the new dataset: its data-iterator state indexes the same
+    records. False when the manifest cannot be read.
+    """
+    try:
+        m = load_manifest(dataset_dir)
+        if m["format_version"] < SAME_RECORDS_SINCE:
+            return False
+        tok = m["tokenizer"]
+        old_tokenizer = [tok["kind"], tok["vocab_size"], tok["eod_token"], tok.get("sha256")]
+        old_files = [[s["uri"], s["key"], s["size"], s["version"]] for s in m["sources"]]
+        old_options = {k: v for k, v in m["options"].items() if k != "tokenizer"}
+    except (DatasetError, OSError, KeyError, TypeError):
+        return False
+    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
+    return (
+        old_files == [[f.uri, f.key, f.size, f.version] for f in files]
+        and old_tokenizer == load_tokenizer(cfg.tokenizer).fingerprint_entry()
+        and old_options == options
+    )
