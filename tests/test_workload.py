@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import time
@@ -167,8 +168,14 @@ def test_a_host_whose_checkpoint_write_fails_ends_the_attempt_with_the_error(tmp
     assert time.monotonic() - started < 90
     status = run.status()
     assert status["phase"] == "failed"
-    assert status["error"].startswith("SaveFailed: saving checkpoint step 5 failed on host 1: ")
-    assert checkpoint.latest_step(str(run.run_dir)) is None  # nothing half-written is trusted
+    # Step 5's, unless this process set the limit only after host 1 had written it (a busy
+    # machine): then step 10's. Either way the failed save is never committed.
+    failed = re.match(
+        r"SaveFailed: saving checkpoint step (\d+) failed on host 1: ", status["error"]
+    )
+    assert failed, status["error"]
+    latest = checkpoint.latest_step(str(run.run_dir))  # nothing half-written is trusted
+    assert latest is None or latest < int(failed[1])
 
 
 def test_an_attempt_that_lost_its_lease_stops_without_writing(tmp_path):
