@@ -27,7 +27,15 @@ import os
 import stat
 import sysconfig
 
-from workloads.local_glob import DirId, entry_is, glob_local, is_skipped, static_prefix, target_mode
+from workloads.local_glob import (
+    DirId,
+    entry_is,
+    glob_local,
+    is_skipped,
+    scan,
+    static_prefix,
+    target_mode,
+)
 from workloads.manifest import MANIFEST
 from workloads.outdir import is_dataset_dir
 from workloads.sources import DatasetError, SourceFile, SourceStore
@@ -192,13 +200,7 @@ def _walk(
     out, pending = [], [top]
     while pending:
         directory = pending.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError as exc:  # os.walk would skip the directory silently
-            raise DatasetError(
-                f"dataset source directory {directory} is not readable: {exc.strerror}"
-            ) from exc
+        entries = scan(directory)
         if is_dataset_dir(directory, {e.name for e in entries}):
             continue  # e.g. a datasets directory an earlier run left in the corpus
         for e in entries:

@@ -134,19 +134,25 @@ def _matching(base: str, part: str, skip: DirId, dirs_only: bool) -> list[str]:
     ]
 
 
+def scan(directory: str) -> list[os.DirEntry]:
+    """The entries of a source directory, or an error naming it (`os.walk` and `glob` would
+    skip a directory they cannot read, silently)."""
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError as exc:
+        raise DatasetError(
+            f"dataset source directory {directory} is not readable: {exc.strerror}"
+        ) from exc
+
+
 def _subdirs(top: str, skip: DirId) -> list[str]:
     """`top` and every directory below it that is neither hidden nor a dataset directory,
     not through symlinks."""
     out, pending = [], [top]
     while pending:
         directory = pending.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError as exc:
-            raise DatasetError(
-                f"dataset source directory {directory} is not readable: {exc.strerror}"
-            ) from exc
+        entries = scan(directory)
         if is_dataset_dir(directory, {e.name for e in entries}):
             continue
         out.append(directory)
