@@ -132,21 +132,29 @@ if __name__ == "__main__":
 """
 
 
-def test_an_interrupted_run_ends_at_once_and_its_workers_with_it(tmp_path):
-    # The worker holds a 120 s job and one queued behind it: the process used to wait for
-    # both before exiting, however it was stopped.
-    import signal
+def _run_script(tmp_path: Path, name: str, text: str):
+    """Run `text` as a script with a fresh `marks` directory as its argument; returns the
+    finished process and that directory."""
     import subprocess
     import sys
 
-    script, marks = tmp_path / "interrupted.py", tmp_path / "marks"
-    script.write_text(INTERRUPTED_RUN)
+    script, marks = tmp_path / name, tmp_path / "marks"
+    script.write_text(text)
     marks.mkdir()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
         [sys.executable, str(script), str(marks)], env=env, capture_output=True, timeout=60
     )
+    return out, marks
+
+
+def test_an_interrupted_run_ends_at_once_and_its_workers_with_it(tmp_path):
+    # The worker holds a 120 s job and one queued behind it: the process used to wait for
+    # both before exiting, however it was stopped.
+    import signal
+
+    out, marks = _run_script(tmp_path, "interrupted.py", INTERRUPTED_RUN)
     assert out.returncode == -signal.SIGINT and b"KeyboardInterrupt" in out.stderr
     (worker,) = (int(p.name) for p in marks.iterdir())
     assert not running(worker)
@@ -267,17 +275,8 @@ def test_ctrl_c_and_a_hang_up_are_the_runs_to_handle(tmp_path):
     # KeyboardInterrupt traceback for Ctrl-C. The run stops its workers itself.
     import json
     import signal
-    import subprocess
-    import sys
 
-    script, marks = tmp_path / "signals.py", tmp_path / "marks"
-    script.write_text(POOL_SIGNALS)
-    marks.mkdir()
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, str(script), str(marks)], env=env, capture_output=True, timeout=60
-    )
+    out, _ = _run_script(tmp_path, "signals.py", POOL_SIGNALS)
     assert out.returncode == 0, out.stderr.decode()
     seen = json.loads(out.stdout)
     ignores_ctrl_c, blocked = seen["worker"]
