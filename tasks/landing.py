@@ -2,138 +2,41 @@
 
 from __future__ import annotations
 
-import os
 import signal
-from datetime import UTC, datetime
+from datetime import datetime
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from infra.metrics import EvalMetricRow, RunRow, StepMetricRow, build_sink
-from tasks.goodput import read_events
-from tasks.ledger import Ledger, compute_ledger, tokens_per_step
+from infra.metrics import RunRow, build_sink
+from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
+    build_rows,
+    describe_steps,
+    ledger_fields,
+    missing_steps,
+    run_ledger,
+)
 from tasks.plan import RunPlan
-from tasks.pricing import price_or_unpriced
 from tasks.progress import loss_curve_link, write_loss_curve
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
-from workloads.config_file import ConfigError
 from workloads.evaluate import EvalResult
-from workloads.events import EVENTS
-from workloads.rundir import RunDir
 
-
-def _ts(seconds: float | None) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC) if seconds else datetime.now(UTC)
-
-
-def build_rows(
-    config: PipelineConfig,
-    plan: RunPlan,
-    started_at: datetime,
-    verified: VerifiedCheckpoint | None,
-    result: EvalResult | None,
-    error: str | None = None,
-) -> tuple[RunRow, list[StepMetricRow], list[EvalMetricRow]]:
-    """Rows for the `runs`, `step_metrics` and `eval_metrics` tables from the run directory."""
-    metrics = RunDir(plan.run_dir).read_metrics()
-    steps = [
-        StepMetricRow(
-            run_id=plan.run_id,
-            step=m["step"],
-            loss=m.get("loss"),
-            learning_rate=m.get("learning_rate"),
-            grad_norm=m.get("grad_norm"),
-            step_time_s=m.get("step_time_s"),
-            tokens_per_s=m.get("tokens_per_s"),
-            recorded_at=_ts(m.get("time")),
-        )
-        for m in metrics
-    ]
-    evals = []
-    if result is not None:
-        evals.append(
-            EvalMetricRow(
-                run_id=plan.run_id,
-                step=result.step,
-                loss=result.loss,
-                bits_per_byte=result.bits_per_byte,
-                tokens=result.tokens,
-                recorded_at=datetime.now(UTC),
-            )
-        )
-    ordered = sorted(metrics, key=lambda m: m["step"])
-    ledger = run_ledger(config, plan.run_dir)
-    run = RunRow(
-        run_id=plan.run_id,
-        run_name=plan.run_name,
-        flow_run_id=plan.flow_run_id,
-        status="failed" if error else "completed",
-        error=error,
-        config_hash=plan.config_hash,
-        config_json=config.model_dump_json(),
-        dataset_fingerprint=_fingerprint(plan),
-        started_at=_first_start(started_at, ledger),
-        finished_at=datetime.now(UTC),
-        final_step=verified.step if verified else (ordered[-1]["step"] if ordered else None),
-        train_loss_first=ordered[0].get("loss") if ordered else None,
-        train_loss_last=ordered[-1].get("loss") if ordered else None,
-        eval_loss=result.loss if result else None,
-        eval_bits_per_byte=result.bits_per_byte if result else None,
-        params_sha256=verified.params_sha256 if verified else None,
-        num_params=verified.num_params if verified else None,
-        run_dir=plan.run_dir,
-        **ledger_fields(ledger),
-    )
-    return run, steps, evals
-
-
-def run_ledger(config: PipelineConfig, run_dir: str) -> Ledger:
-    """The run's cost ledger from its events.jsonl: each attempt priced as it recorded,
-    one recorded by an older version by the run's config."""
-    # The validate stage checked the table; one broken since must not lose the row.
-    price = price_or_unpriced(config)
-    events = read_events(f"{run_dir}/{EVENTS}")
-    return compute_ledger(events, price, tokens_per_step(config))
-
-
-def ledger_fields(ledger: Ledger) -> dict:
-    """The `runs` columns of the goodput-and-cost ledger: `chip_hours` and `cost_usd` sum
-    every attempt at its own price; `chips` and the price are the last attempt's."""
-    good, price = ledger.goodput, ledger.price
-    return {
-        "attempts": good.attempts,
-        "preemptions": good.preemptions,
-        "goodput": good.goodput,
-        "wall_s": good.wall_s,
-        **{f"{bucket}_s": seconds for bucket, seconds in good.seconds.items()},
-        "chips": price.chips,
-        "chip_hours": ledger.chip_hours,
-        "usd_per_chip_hour": price.usd_per_chip_hour,
-        "price_source": price.source,
-        "price_as_of": price.as_of,
-        "cost_usd": ledger.cost_usd,
-        "tokens_trained": ledger.tokens,
-        "cost_per_million_tokens": ledger.cost_per_million_tokens,
-    }
-
-
-def _first_start(started_at: datetime, ledger: Ledger) -> datetime:
-    """When the run first started: this invocation's start, or the first event an earlier
-    one recorded (one killed outright lands no row, so the sink cannot keep its start)."""
-    if ledger.first_event is None:
-        return started_at
-    return min(started_at, datetime.fromtimestamp(ledger.first_event, UTC))
-
-
-def _fingerprint(plan: RunPlan) -> str:
-    from tasks.checks import load_workload_config
-
-    try:
-        return os.path.basename(load_workload_config(plan).dataset_dir.rstrip("/"))
-    except ConfigError:  # not written yet (stopped while sharding, bad input) or unreadable
-        return ""
+__all__ = [
+    "INTERRUPTED_LOCK_WAIT_S",
+    "build_rows",
+    "cost_text",
+    "describe_error",
+    "land_failure",
+    "land_metrics",
+    "ledger_fields",
+    "per_million_text",
+    "publish_summary",
+    "run_ledger",
+    "summary_key",
+    "summary_markdown",
+]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -206,10 +109,20 @@ def land_metrics(
         earlier has them in the sink, not here).
     """
     run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
+    logger = get_run_logger()
+    if missing := missing_steps(steps, run.final_step):
+        logger.warning(
+            "%s/metrics.jsonl has no row for step %s of 1-%d (the file was cut short or "
+            "damaged): the rows landed before for those steps, and the run's stored first "
+            "and final losses where it lacks them, are kept",
+            plan.run_dir,
+            describe_steps(missing),
+            run.final_step,
+        )
     sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, lock_wait_s)
     sink.ensure_tables()
     landed = sink.land(run, steps, evals)
-    get_run_logger().info(
+    logger.info(
         "landed run %s (%s): %d step rows, %d eval rows in %s%s",
         run.run_id,
         run.status,

@@ -159,3 +159,30 @@ def test_a_stopped_run_waits_for_a_held_metrics_file_only_briefly(finished, tmp_
         rerun(finished, metrics)
     assert time.monotonic() - stopped_at[0] < INTERRUPTED_LOCK_WAIT_S + 10
     assert "runs row was not landed" in " ".join(err.value.__notes__)
+
+
+def test_a_rerun_over_a_metrics_file_cut_short_keeps_the_landed_step_rows(
+    finished, tmp_path, caplog
+):
+    # The completed landing made the stored rows exactly the file's: with metrics.jsonl
+    # cut to its first 5 rows, 7 landed step rows were deleted and train_loss_last became
+    # step 5's loss beside final_step 12.
+    from tasks.plan import plan_run
+
+    metrics = tmp_path / "m.duckdb"
+    rerun(finished, metrics)
+    sink = DuckDBSink(metrics)
+    step_rows = "SELECT step, loss FROM step_metrics WHERE run_id = ? ORDER BY step"
+    summary = "SELECT final_step, train_loss_first, train_loss_last FROM runs WHERE run_id = ?"
+    steps, (losses,) = sink.query(step_rows, [NAME]), sink.query(summary, [NAME])
+    assert [s for s, _ in steps] == list(range(1, 13)) and losses[0] == 12
+    path = Path(plan_run(tiny_config(finished, f"run_name={NAME}")).run_dir) / "metrics.jsonl"
+    whole = path.read_bytes()
+    try:
+        path.write_bytes(b"".join(whole.splitlines(keepends=True)[:5]))
+        assert rerun(finished, metrics).status == "completed"
+        assert sink.query(step_rows, [NAME]) == steps
+        assert sink.query(summary, [NAME]) == [losses]
+        assert "metrics.jsonl has no row for step 6-12 of 1-12" in caplog.text
+    finally:
+        path.write_bytes(whole)

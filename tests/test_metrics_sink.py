@@ -100,11 +100,9 @@ def test_landing_twice_leaves_one_copy(sink):
     # A re-landing is the new truth: changed values replace, missing rows go.
     sink.land(run_row(final_step=2), steps(n=3, offset=0.5), [])
     assert sink.query("SELECT final_step FROM runs WHERE run_id = 'run-1'") == [(2,)]
-    assert sink.query("SELECT step, loss FROM step_metrics WHERE run_id = 'run-1'") == [
-        (0, 10.5),
-        (1, 9.5),
-        (2, 8.5),
-    ]
+    assert sink.query(
+        "SELECT step, loss FROM step_metrics WHERE run_id = 'run-1' ORDER BY step"
+    ) == [(0, 10.5), (1, 9.5), (2, 8.5)]
     assert counts(sink) == (2, 6, 0)
 
 
@@ -137,16 +135,16 @@ def test_nonfinite_values_become_null_with_flag(sink):
 def test_failure_mid_landing_keeps_previous_rows(sink, monkeypatch):
     sink.land(run_row(), steps(), evals())
     before = sink.query("SELECT * FROM step_metrics ORDER BY step")
-    real_insert = DuckDBSink._insert
+    real_upsert = DuckDBSink._upsert
 
-    def failing_insert(con, model, rows):
-        if model is StepMetricRow:  # deletes done and the runs row inserted by now
+    def failing_upsert(con, model, rows):
+        if model is StepMetricRow:  # the runs row and the steps past 1 replaced by now
             raise RuntimeError("disk full")
-        real_insert(con, model, rows)
+        real_upsert(con, model, rows)
 
-    monkeypatch.setattr(DuckDBSink, "_insert", staticmethod(failing_insert))
+    monkeypatch.setattr(DuckDBSink, "_upsert", staticmethod(failing_upsert))
     with pytest.raises(RuntimeError, match="disk full"):
-        sink.land(run_row(final_step=99), steps(n=2, offset=1.0), [])
+        sink.land(run_row(final_step=1), steps(n=2, offset=1.0), [])
     assert sink.query("SELECT * FROM step_metrics ORDER BY step") == before
     assert sink.query("SELECT final_step FROM runs") == [(None,)]
     assert counts(sink) == (1, 5, 1)
@@ -165,7 +163,9 @@ def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
     assert (row.status, row.error) == ("failed", "TerminationSignal: SIGTERM")
     assert (row.eval_loss, row.params_sha256, row.final_step) == (2.5, "abc", 4)
     # Rows it has are updated, rows it lacks are kept.
-    assert sink.query("SELECT step, loss FROM step_metrics WHERE run_id = 'run-1'") == [
+    assert sink.query(
+        "SELECT step, loss FROM step_metrics WHERE run_id = 'run-1' ORDER BY step"
+    ) == [
         (0, 10.5),
         (1, 9.5),
         (2, 8.5),
@@ -176,9 +176,44 @@ def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
     # A value it has replaces the stored one; the next completed landing is exact again.
     sink.land(run_row(status="failed", error="e", eval_loss=2.0), [], [])
     assert sink.read_run("run-1").eval_loss == 2.0
-    sink.land(run_row(), steps(n=2), [])
+    sink.land(run_row(final_step=1), steps(n=2), [])
     assert counts(sink) == (2, 5, 1)
     assert sink.read_run("run-1").eval_loss is None
+
+
+def run_steps(run_id: str = "run-1", first: int = 1, last: int = 12, offset: float = 0.0):
+    return [
+        StepMetricRow(run_id=run_id, step=i, loss=100.0 / i + offset, recorded_at=T0)
+        for i in range(first, last + 1)
+    ]
+
+
+def test_a_completed_landing_keeps_stored_steps_it_lacks_up_to_its_final_step(sink):
+    # A rerun of a finished run over a metrics.jsonl cut short landed it as exactly its
+    # rows: the steps the file had lost were deleted, and train_loss_last became the loss
+    # of the last row left beside final_step 12.
+    done = run_row(final_step=12, train_loss_first=100.0, train_loss_last=100.0 / 12)
+    sink.land(done, run_steps(), evals())
+    sink.land(run_row("run-2", final_step=3), run_steps("run-2", last=3), [])
+    cut = done.model_copy(update={"train_loss_first": 99.0, "train_loss_last": None})
+    assert sink.land(cut, run_steps(last=5, offset=1.0), evals()) == LandResult(1, 5, 1)
+    got = sink.query("SELECT step, loss FROM step_metrics WHERE run_id = 'run-1' ORDER BY step")
+    assert got == [(s, 100.0 / s + (1.0 if s <= 5 else 0.0)) for s in range(1, 13)]
+    row = sink.read_run("run-1")
+    assert (row.train_loss_first, row.train_loss_last) == (99.0, 100.0 / 12)
+    # A file missing its start keeps the stored first loss; an eval it lacks still goes.
+    sink.land(done.model_copy(update={"train_loss_first": None}), run_steps(first=7), [])
+    assert sink.read_run("run-1").train_loss_first == 99.0
+    assert counts(sink) == (2, 15, 0)
+    # Stored steps past the final step go, with no step rows given too; other runs stay.
+    sink.land(run_row(final_step=8), run_steps(last=4), [])
+    got = sink.query("SELECT step FROM step_metrics WHERE run_id = 'run-1' ORDER BY step")
+    assert [s for (s,) in got] == list(range(1, 9))
+    sink.land(run_row(final_step=2), [], [])
+    assert counts(sink) == (2, 5, 0)
+    # A failed landing still deletes nothing.
+    sink.land(run_row(status="failed", error="e", final_step=1), [], [])
+    assert counts(sink) == (2, 5, 0)
 
 
 COST_COLUMNS = ("goodput", "chip_hours", "cost_usd", "tokens_trained", "cost_per_million_tokens")

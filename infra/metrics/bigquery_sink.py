@@ -9,17 +9,19 @@ Exactly-once landing, whatever is retried:
    in the streaming buffer cannot be updated or deleted for up to 90 minutes.
 2. One multi-statement transaction MERGEs every staging table into its target on the
    table's primary key: matched rows are updated, new rows inserted, and rows of this run
-   that the new landing no longer has are deleted. All three tables change, or none does.
+   that the new landing does not have are deleted where the landing rule says so
+   (`infra.metrics.landing_rule`). All three tables change, or none does.
 3. The staging tables are dropped (they also expire after a day, should a crash leave them).
    The rows are stored by then: a drop that fails is logged as a warning, and the landing
    succeeds (it failed, and the pipeline then rewrote a completed run's row to failed).
 
 Running the landing twice, or again after a failure at any point, leaves the tables
-holding exactly the source's rows, once. A failed run's landing MERGEs without the delete,
-and its `runs` row keeps the stored results it has no value for (the landing rule in
-`infra.metrics.rows`): an interrupted rerun of a finished run keeps its evaluation. A
-sweep's trials (`sweeps`) land the same way as a completed run's, scoped by `sweep_id`
-instead of `run_id`.
+holding the source's rows, once. A failed run's landing MERGEs without the delete,
+and its `runs` row keeps the stored results it has no value for: an interrupted rerun of a
+finished run keeps its evaluation. A completed run's deletes its stored eval rows it lacks
+and step rows past its final step, and keeps step rows it lacks up to there (a damaged
+`metrics.jsonl`). A sweep's trials (`sweeps`) land as exactly the sweep's rows, scoped by
+`sweep_id` instead of `run_id`.
 
 The schemas and SQL text the sink sends are built in `infra.metrics.bigquery_sql`; the
 dataset's location check, the tables' creation and migration and the staging loads are in
@@ -39,6 +41,7 @@ from infra.gcp.retries import logged_retry
 from infra.metrics import bigquery_tables
 from infra.metrics.bigquery_sql import bq_schema, dedupe, merge_sql, sql_literal
 from infra.metrics.bigquery_tables import STAGING_TTL, LocationError, SchemaError
+from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -48,7 +51,6 @@ from infra.metrics.rows import (
     SweepRow,
     TableRow,
     one_sweep_id,
-    replaces_landed,
 )
 
 __all__ = ["BigQuerySink", "LocationError", "SchemaError", "bq_schema"]
@@ -128,9 +130,10 @@ class BigQuerySink:
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
     ) -> LandResult:
-        """Land the rows of `run.run_id`, once each: a completed run's become exactly
-        these; a failed run's are added or updated, and the stored rows and results it has
-        no value for are kept.
+        """Land the rows of `run.run_id`, once each, by `infra.metrics.landing_rule`: a
+        completed run's replace the stored ones (stored step rows it lacks up to its final
+        step stay); a failed run's are added or updated, and the stored rows and results it
+        has no value for are kept.
 
         A step given twice (re-run after a resume) keeps its last row; likewise an eval's
         (step, split). See the module docstring for why a re-run cannot duplicate rows.
@@ -147,16 +150,18 @@ class BigQuerySink:
         if not self._ready:
             self.ensure_tables()
         by_table = {RunRow.table: [run], **dedupe([*steps, *evals])}
-        replace = replaces_landed(run)
         statements = []
         for model in self.models:
-            rows = by_table.get(model.table, [])
+            rows, rule = by_table.get(model.table, []), landing_rule(model, run)
             if rows:
                 self._stage(model, run.run_id, rows)
-                statements.append(self._merge_sql(model, run.run_id, replace=replace))
-            elif replace:
                 statements.append(
-                    f"DELETE FROM `{self._table(model)}` WHERE run_id = {sql_literal(run.run_id)}"
+                    self._merge_sql(model, run.run_id, kept=rule.kept, deletes=rule.where("T."))
+                )
+            elif (where := rule.where()) is not None:
+                statements.append(
+                    f"DELETE FROM `{self._table(model)}` "
+                    f"WHERE run_id = {sql_literal(run.run_id)} AND {where}"
                 )
         script = "BEGIN TRANSACTION;\n" + ";\n".join(statements) + ";\nCOMMIT TRANSACTION;"
         landing = f"landing run {run.run_id} into {self.dataset}"
@@ -265,11 +270,12 @@ class BigQuerySink:
         model: type[TableRow],
         scope: str,
         scope_column: str = "run_id",
-        replace: bool = True,
+        kept: Sequence[str] = (),
+        deletes: str | None = "TRUE",
     ) -> str:
         """The MERGE of `scope`'s staging table into the model's (`bigquery_sql.merge_sql`)."""
         staging = self._staging(model, scope)
-        return merge_sql(model, self._table(model), staging, scope, scope_column, replace)
+        return merge_sql(model, self._table(model), staging, scope, scope_column, kept, deletes)
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:
         params = [bigquery.ScalarQueryParameter("run_id", "STRING", run_id)] if run_id else []

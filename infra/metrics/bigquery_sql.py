@@ -60,7 +60,8 @@ def merge_sql(
     staging: str,
     scope: str,
     scope_column: str = "run_id",
-    replace: bool = True,
+    kept: Sequence[str] = (),
+    deletes: str | None = "TRUE",
 ) -> str:
     """The MERGE of the staging table into its target on the model's primary key.
 
@@ -70,18 +71,17 @@ def merge_sql(
         staging: the staging table's full id.
         scope: the value of `scope_column` whose rows this landing owns.
         scope_column: `run_id`, or `sweep_id` for a sweep's trials.
-        replace: whether the target's rows of `scope` become exactly the staging rows.
+        kept: columns a NULL in the staging row does not overwrite.
+        deletes: which target rows of `scope` absent from the staging table are deleted:
+            a condition on the target row `T` ("TRUE": every one), or None for none
+            (`infra.metrics.landing_rule.LandingRule.where`).
 
     Returns:
         One MERGE statement.
     """
-    # `scope` names the rows this landing owns: a run (`run_id`) or a sweep (`sweep_id`).
-    # replace=False (a failed run's landing) deletes nothing, and a result column the
-    # new row has no value for keeps its stored one. An earliest column (the run's
-    # `started_at`) never moves later.
+    # An earliest column (the run's `started_at`) never moves later.
     columns = [c.name for c in table_schema(model)]
     key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
-    kept = () if replace else model.result_fields
     updates = ", ".join(
         f"{c} = LEAST(S.{c}, T.{c})"
         if c in model.earliest_fields
@@ -93,11 +93,13 @@ def merge_sql(
     )
     names = ", ".join(columns)
     values = ", ".join(f"S.{c}" for c in columns)
-    delete = (
-        f"\nWHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {sql_literal(scope)} THEN DELETE"
-        if replace
-        else ""
-    )
+    delete = ""
+    if deletes is not None:
+        condition = "" if deletes == "TRUE" else f" AND {deletes}"
+        delete = (
+            f"\nWHEN NOT MATCHED BY SOURCE AND T.{scope_column} = {sql_literal(scope)}"
+            f"{condition} THEN DELETE"
+        )
     return (
         f"MERGE `{table}` T\n"
         f"USING `{staging}` S\nON {key}\n"

@@ -26,6 +26,7 @@ from typing import Any
 import duckdb
 
 from infra.metrics.duckdb_file import create_database
+from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
     ROW_MODELS,
     EvalMetricRow,
@@ -35,7 +36,6 @@ from infra.metrics.rows import (
     SweepRow,
     TableRow,
     one_sweep_id,
-    replaces_landed,
     table_schema,
 )
 
@@ -104,9 +104,10 @@ class DuckDBSink:
     def land(
         self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
     ) -> LandResult:
-        """Land the rows of `run.run_id`, atomically: a completed run's become exactly
-        these; a failed run's are added or updated, and the stored rows and results it has
-        no value for are kept (`infra.metrics.rows`'s landing rule).
+        """Land the rows of `run.run_id`, atomically, by `infra.metrics.landing_rule`: a
+        completed run's replace the stored ones (stored step rows it lacks up to its final
+        step stay); a failed run's are added or updated, and the stored rows and results it
+        has no value for are kept.
 
         Landing the same run again leaves one copy of each row. A step given twice (re-run
         after a resume) keeps its last row; likewise an eval's (step, split).
@@ -128,27 +129,23 @@ class DuckDBSink:
         # Dicts keep the last row per key: the re-run after a resume is the one that counted.
         step_rows = sorted({r.step: r for r in steps}.values(), key=lambda r: r.step)
         eval_rows = sorted({(r.step, r.split): r for r in evals}.values(), key=_eval_key)
-        tables: list[tuple[type[TableRow], Sequence[TableRow]]] = [
-            (RunRow, [run]),
-            (StepMetricRow, step_rows),
-            (EvalMetricRow, eval_rows),
-        ]
-        replace = replaces_landed(run)
         with self._connect() as con:
             self._create_tables(con)
-            run = _keep_earliest(con, run)
-            tables[0] = (RunRow, [run])
-            # A completed run: DELETE + INSERT, not INSERT OR REPLACE: the run's rows
-            # become exactly the source's, so a row absent from the new landing (a step
-            # rolled back and never re-run) does not survive from the old one. It is what
-            # BigQuery's MERGE with "WHEN NOT MATCHED BY SOURCE THEN DELETE" does, in one
-            # transaction here. A failed run: an upsert, which deletes nothing.
+            # In one transaction, as BigQuery's MERGE with "WHEN NOT MATCHED BY SOURCE AND
+            # <the rule's condition> THEN DELETE" does it.
             with _transaction(con):
-                if replace:
-                    for model, _ in tables:
-                        con.execute(f"DELETE FROM {model.table} WHERE run_id = ?", [run.run_id])
+                tables: list[tuple[type[TableRow], Sequence[TableRow]]] = [
+                    (RunRow, [_keep_stored(con, run, landing_rule(RunRow, run).kept)]),
+                    (StepMetricRow, step_rows),
+                    (EvalMetricRow, eval_rows),
+                ]
                 for model, rows in tables:
-                    (self._insert if replace else self._upsert)(con, model, rows)
+                    where = landing_rule(model, run).where()
+                    if where is not None:
+                        con.execute(
+                            f"DELETE FROM {model.table} WHERE run_id = ? AND {where}", [run.run_id]
+                        )
+                    self._upsert(con, model, rows)
         return LandResult(runs=1, steps=len(step_rows), evals=len(eval_rows))
 
     def land_sweep(self, rows: Sequence[SweepRow]) -> int:
@@ -285,13 +282,10 @@ def _insert_sql(model: type[TableRow], rows: Sequence[TableRow]) -> tuple[str, l
 
 
 def _on_conflict_update(model: type[TableRow]) -> str:
-    """The upsert clause of a failed run's landing: a stored row with the same key takes
-    the new values, except that a result column the new row has no value for keeps its
-    stored one (as the BigQuery sink's MERGE does)."""
+    """The upsert clause: a stored row with the same key takes the new values (the stored
+    values a landing keeps are put into the new row first: `_keep_stored`)."""
     sets = [
-        f"{c.name} = COALESCE(excluded.{c.name}, {model.table}.{c.name})"
-        if c.name in model.result_fields
-        else f"{c.name} = excluded.{c.name}"
+        f"{c.name} = excluded.{c.name}"
         for c in table_schema(model)
         if c.name not in model.primary_key
     ]
@@ -299,19 +293,20 @@ def _on_conflict_update(model: type[TableRow]) -> str:
     return f" ON CONFLICT ({keys}) DO UPDATE SET {', '.join(sets)}"
 
 
-def _keep_earliest(con: duckdb.DuckDBPyConnection, run: RunRow) -> RunRow:
-    """`run` with each of `RunRow.earliest_fields` no later than the stored row's."""
-    names = ", ".join(RunRow.earliest_fields)
-    query = f"SELECT {names} FROM {RunRow.table} WHERE run_id = ?"
+def _keep_stored(con: duckdb.DuckDBPyConnection, run: RunRow, kept: Sequence[str]) -> RunRow:
+    """`run` with each of `RunRow.earliest_fields` no later than the stored row's, and each
+    column of `kept` it has no value for taken from the stored row."""
+    names = [*RunRow.earliest_fields, *kept]
+    query = f"SELECT {', '.join(names)} FROM {RunRow.table} WHERE run_id = ?"
     stored = con.execute(query, [run.run_id]).fetchone()
     if stored is None:
         return run
-    earlier = {
-        name: old
-        for name, old in zip(RunRow.earliest_fields, stored, strict=True)
-        if old is not None and old < getattr(run, name)
-    }
-    return run.model_copy(update=earlier) if earlier else run
+    update = {}
+    for name, old in zip(names, stored, strict=True):
+        new = getattr(run, name)
+        if old is not None and (new is None or (name in RunRow.earliest_fields and old < new)):
+            update[name] = old
+    return run.model_copy(update=update) if update else run
 
 
 def _eval_key(row: EvalMetricRow) -> tuple[int, str]:

@@ -8,14 +8,8 @@ NaN/Inf policy: a non-finite float metric is stored as NULL, never as NaN, and t
 `nonfinite` flag says that this happened (a diverged step stays visible as a fact rather
 than a poisoned average). RunRow has no flag: its summary fields simply become NULL.
 
-Landing rule, the same in every sink: a completed run's landing makes the stored rows of
-the run exactly its rows (a step rolled back and never re-run goes). A failed run's
-landing (`replaces_landed` is False: an error, Ctrl-C, SIGTERM) records how this
-invocation ended, and only adds and updates: step and eval rows it does not have stay,
-and the `runs` row keeps the stored results (`RunRow.result_fields`) it has no value for.
-A rerun of a finished run that is stopped before it evaluates again thus leaves the run's
-evaluation and summary numbers as they were, with its row failed and the signal as its
-error, as its exit code says; running it again lands it completed.
+How a landing treats the rows already stored (a completed run's, a failed run's):
+`infra.metrics.landing_rule`.
 """
 
 from __future__ import annotations
@@ -65,8 +59,11 @@ class TableRow(BaseModel):
     partition_field: ClassVar[str]  # the day-partition column in BigQuery
     cluster_fields: ClassVar[tuple[str, ...]] = ("run_id",)  # BigQuery clustering
     metric_fields: ClassVar[tuple[str, ...]] = ()
-    # Columns a failed run's landing never sets to NULL (see the module docstring).
+    # Columns a failed run's landing never sets to NULL (infra/metrics/landing_rule.py).
     result_fields: ClassVar[tuple[str, ...]] = ()
+    # Columns read from the run directory that a completed run's landing without them (a
+    # damaged metrics.jsonl) does not set to NULL either (infra/metrics/landing_rule.py).
+    local_fields: ClassVar[tuple[str, ...]] = ()
     # Columns a landing never moves later than the stored value (see RunRow).
     earliest_fields: ClassVar[tuple[str, ...]] = ()
 
@@ -124,6 +121,8 @@ class RunRow(TableRow):
         "params_sha256",
         "num_params",
     )
+    # The losses of the first and final steps' rows in metrics.jsonl.
+    local_fields: ClassVar[tuple[str, ...]] = ("train_loss_first", "train_loss_last")
     # When the run first started: each invocation of a run name lands its row again, and
     # `started_at` moved to the latest one's start (a rerun that only evaluated again), while
     # `wall_s` covers every attempt; it is also BigQuery's partition column.
@@ -256,13 +255,6 @@ class SweepRow(_FlaggedRow):
     nonfinite: bool = False
     started_at: datetime
     finished_at: datetime | None = None
-
-
-def replaces_landed(run: RunRow) -> bool:
-    """Whether landing `run` replaces every stored row of the run (a completed run), or
-    only adds and updates rows, keeping the stored results it has no value for (a failed
-    one: see the module docstring)."""
-    return run.status == "completed"
 
 
 def one_sweep_id(rows: typing.Sequence[SweepRow]) -> str:

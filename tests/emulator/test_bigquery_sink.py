@@ -160,6 +160,36 @@ def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
     assert sink.read_run("r1").eval_loss is None
 
 
+def test_a_completed_landing_keeps_stored_steps_it_lacks_up_to_its_final_step(sink):
+    # A rerun of a finished run over a metrics.jsonl cut short MERGEd with the delete of
+    # every row it lacked: the steps the file had lost were gone, and train_loss_last.
+    sink.land(*rows("other"))
+    run, steps, evals = rows(steps=range(1, 13))
+    sink.land(run, steps, evals)
+    cut, fewer, _ = rows(steps=range(1, 6), loss_offset=1.0)
+    cut = cut.model_copy(
+        update={"final_step": 12, "train_loss_first": 6.0, "train_loss_last": None}
+    )
+    sink.land(cut, fewer, evals)
+    got = sink.query(
+        f"SELECT step, loss FROM `{sink.dataset}.step_metrics` WHERE run_id = @run_id "
+        "ORDER BY step",
+        "r1",
+    )
+    assert [(s, round(loss - 5.0 / s, 6)) for s, loss in got] == [
+        (s, 1.0 if s <= 5 else 0.0) for s in range(1, 13)
+    ]
+    stored = sink.read_run("r1")
+    assert (stored.train_loss_first, stored.train_loss_last) == (6.0, 2.0)
+    # Stored steps past the final step go, with step rows given and without; evals it
+    # lacks go; other runs stay.
+    sink.land(cut.model_copy(update={"final_step": 8}), fewer, [])
+    assert [count(sink, t, "r1") for t in ("step_metrics", "eval_metrics")] == [8, 0]
+    sink.land(cut.model_copy(update={"final_step": 2}), [], [])
+    assert count(sink, "step_metrics", "r1") == 2
+    assert count(sink, "step_metrics", "other") == 5
+
+
 def test_a_runs_started_at_stays_its_first_start_over_later_landings(sink):
     run, steps, evals = rows()
     sink.land(run, steps, evals)
