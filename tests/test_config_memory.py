@@ -14,6 +14,8 @@ from workloads.config import ModelConfig, param_count
 from workloads.config_file import ConfigError, load_config
 from workloads.config_memory import GIB, host_memory_bytes, memory_problems
 
+MIB = 2**20
+
 # The probe's model, on configs/tiny.yaml's local 8-device slice (data 2, fsdp 2, tensor 2).
 BIG = ("model.d_model=8192", "model.n_layers=8", "model.d_ff=32768", "model.n_heads=64")
 # ~2.0B parameters: 30 GiB of float32 state a v5e chip (16 GiB) holds only split 8 ways.
@@ -149,6 +151,72 @@ def test_the_host_memory_is_ram_plus_swap(tmp_path):
     meminfo.write_text("MemTotal:  1000 kB\nMemAvailable:  10 kB\nSwapTotal:  24 kB\n")
     assert host_memory_bytes(str(meminfo)) == 1024 * 1024
     assert host_memory_bytes(str(tmp_path / "missing")) > 0  # sysconf's figure instead
+
+
+def _files(root, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected_mib"),
+    [
+        # cgroup v2: RAM and swap limited apart, the tightest of the cgroup and its parents.
+        (
+            "0::/pod/run\n",
+            {
+                "cgroup.controllers": "memory",
+                "pod/memory.max": str(512 * MIB),
+                "pod/run/memory.max": "max",
+                "pod/run/memory.swap.max": "0",
+            },
+            512,
+        ),
+        (
+            "0::/pod\n",
+            {
+                "cgroup.controllers": "memory",
+                "pod/memory.max": "max",
+                "pod/memory.swap.max": str(100 * MIB),
+            },
+            1000 + 100,
+        ),
+        # A container's own cgroup mounted as the root (cgroup namespace): its path is "/".
+        ("0::/\n", {"cgroup.controllers": "memory", "memory.max": str(300 * MIB)}, 300 + 200),
+        # cgroup v1: RAM alone, or RAM plus swap together when swap accounting is on.
+        (
+            "4:memory:/docker/c1\n0::/\n",
+            {"memory/docker/c1/memory.limit_in_bytes": str(400 * MIB)},
+            400 + 200,
+        ),
+        (
+            "4:memory:/docker/c1\n",
+            {
+                "memory/docker/c1/memory.limit_in_bytes": str(400 * MIB),
+                "memory/docker/c1/memory.memsw.limit_in_bytes": str(450 * MIB),
+            },
+            450,
+        ),
+        # No limit set anywhere (v1 writes a huge number), or nothing readable.
+        ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, 1200),
+        ("0::/user.slice\n", {"cgroup.controllers": "memory"}, 1200),
+        (None, {}, 1200),
+    ],
+)
+def test_the_host_memory_is_within_the_cgroups_limit(tmp_path, cgroup, files, expected_mib):
+    # In a container /proc/meminfo shows the host: a model the container could not hold
+    # passed the check, provisioned its slice and was SIGKILLed by the cgroup's OOM killer.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {1000 * 1024} kB\nSwapTotal: {200 * 1024} kB\n")
+    root = tmp_path / "cgroupfs"
+    root.mkdir()
+    _files(root, files)
+    proc = tmp_path / "cgroup"
+    if cgroup is not None:
+        proc.write_text(cgroup)
+    got = host_memory_bytes(str(meminfo), str(proc), str(root))
+    assert got == expected_mib * MIB
 
 
 @pytest.mark.parametrize(

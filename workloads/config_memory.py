@@ -25,9 +25,12 @@ activations to fit, so they are given room). Anything less is left to the run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from workloads.host_memory import host_memory_bytes
+
+__all__ = ["estimate_memory", "host_memory_bytes", "memory_problems"]
 
 from workloads.config_model import layer_matmul_params, padded_vocab_size, param_count
 from workloads.vocab import BYTE_VOCAB_SIZE
@@ -149,7 +152,9 @@ def _device_memory(cfg: PipelineConfig, host_bytes: int | None) -> tuple[int, st
         )
     if not host_bytes:
         return None
-    return host_bytes // s.devices, f"this host's {_gib(host_bytes)} of memory (RAM and swap)"
+    return host_bytes // s.devices, (
+        f"this host's {_gib(host_bytes)} of memory (RAM and swap, within its cgroup's limit)"
+    )
 
 
 def _amount(cfg: PipelineConfig, per_device: int) -> str:
@@ -173,24 +178,3 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
-
-
-def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """This machine's memory a local slice can use: RAM plus swap, or None if unknown.
-
-    The total, not what is available now: a figure that moves with whatever else runs (the
-    Prefect server, another run, the page cache) would refuse on a busy moment a config
-    that trains on an idle machine. A container's cgroup limit is not read either, so the
-    check may pass a config that a container cannot hold, never the other way round.
-    """
-    try:
-        with open(meminfo) as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0").split()[0])
-        return kib * 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
