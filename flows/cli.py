@@ -82,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"\nrun {run.run_id} {run.status}: {run.final_step} steps, "
-        f"train loss {run.train_loss_first:.3f} -> {run.train_loss_last:.3f}, "
-        f"eval loss {run.eval_loss:.3f} ({run.eval_bits_per_byte:.3f} bits/byte)\n"
+        f"train loss {_f(run.train_loss_first)} -> {_f(run.train_loss_last)}, "
+        f"eval loss {_f(run.eval_loss)} ({_f(run.eval_bits_per_byte)} bits/byte)\n"
         f"  run directory: {run.run_dir}\n"
         f"  metrics:       {metrics_path(config)} (tables runs, step_metrics, eval_metrics)"
     )
     return 0
+
+
+def _f(value: float | None) -> str:
+    """A summary figure, or n/a when the run has none (a non-finite loss lands as NULL)."""
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _validate(path: str, config, price) -> int:

@@ -105,8 +105,9 @@ def land_metrics(
             (None: the sink's default).
 
     Returns:
-        The `runs` row as this invocation built it (a failed row that kept results landed
-        earlier has them in the sink, not here).
+        The `runs` row as the sink now holds it, with the results it kept from an earlier
+        landing (a rerun over a damaged metrics.jsonl, a failed rerun); the row this
+        invocation built if it cannot be read back.
     """
     run, steps, evals = build_rows(config, plan, started_at, verified, result, error)
     logger = get_run_logger()
@@ -131,7 +132,11 @@ def land_metrics(
         plan.metrics_path,
         "" if error is None else " (as a failed run: the rows landed before it are kept)",
     )
-    return run
+    try:
+        return sink.read_run(run.run_id) or run
+    except Exception as exc:  # landed: reading it back is for the summary only
+        logger.warning("could not read back the landed runs row of %s: %s", run.run_id, exc)
+        return run
 
 
 def summary_markdown(config: PipelineConfig, plan: RunPlan, run: RunRow) -> str:

@@ -180,7 +180,11 @@ def test_a_rerun_over_a_metrics_file_cut_short_keeps_the_landed_step_rows(
     whole = path.read_bytes()
     try:
         path.write_bytes(b"".join(whole.splitlines(keepends=True)[:5]))
-        assert rerun(finished, metrics).status == "completed"
+        run = rerun(finished, metrics)  # the row the CLI prints and the summary shows
+        assert (run.status, run.final_step, run.train_loss_first, run.train_loss_last) == (
+            "completed",
+            *losses,
+        )
         assert sink.query(step_rows, [NAME]) == steps
         assert sink.query(summary, [NAME]) == [losses]
         assert "metrics.jsonl has no row for step 6-12 of 1-12" in caplog.text
