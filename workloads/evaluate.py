@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from workloads import checkpoint, input
 from workloads.config import MeshConfig, WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
+from workloads.eval_bytes import ScoredBytes
 from workloads.model import Transformer, token_losses
 from workloads.rundir import EVAL, write_json_atomic
 from workloads.trainer import BATCH_KEYS, batch_sharding, make_mesh
@@ -75,11 +76,13 @@ def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> Ev
         return (nll * weights).sum(), weights.sum()
 
     total_nll, total_tokens, batches = 0.0, 0.0, 0
+    scored_bytes = ScoredBytes(info.tokenizer, info.bytes_per_token)
     sharding = batch_sharding(mesh)
     with jax.set_mesh(mesh):
         for batch in input.eval_batches(
             wcfg.dataset_dir, wcfg.pipeline.eval.batch_size, wcfg.pipeline.eval.max_batches
         ):
+            scored_bytes.add(batch["targets"], batch["weights"])
             rows = pad_rows(batch, len(devices))
             nll, tokens = batch_sums(
                 model, {k: jax.device_put(rows[k], sharding) for k in BATCH_KEYS}
@@ -90,7 +93,8 @@ def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> Ev
     if total_tokens == 0:
         raise ValueError(f"eval split of {wcfg.dataset_dir} produced no tokens")
     loss = total_nll / total_tokens
-    bpb = loss / math.log(2) / info.bytes_per_token
+    # Over the bytes of the text scored, not the split's average (workloads/eval_bytes.py).
+    bpb = total_nll / math.log(2) / max(scored_bytes.total, 1.0)
     return EvalResult(step, loss, bpb, int(total_tokens), batches)
 
 

@@ -45,6 +45,7 @@ class DatasetInfo:
     bytes_per_token: float  # eval split: UTF-8 bytes of its text / its tokens (EOD included)
     train_records: int
     eval_records: int
+    tokenizer: dict  # the manifest's entry: kind, vocab_size, eod_token (and path, sha256)
 
 
 def dataset_info(dataset_dir: str | os.PathLike) -> DatasetInfo:
@@ -62,6 +63,7 @@ def dataset_info(dataset_dir: str | os.PathLike) -> DatasetInfo:
         bytes_per_token=ev["bytes"] / ev["tokens"],
         train_records=m["splits"]["train"]["records"],
         eval_records=ev["records"],
+        tokenizer=m["tokenizer"],
     )
 
 

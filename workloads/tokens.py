@@ -132,7 +132,12 @@ def _read(path: str) -> tuple[str, Any]:
 _LOADED: dict[str, Any] = {}  # per process, by sha256: parsed once, not per batch
 
 
-def _hf_tokenizer(spec: TokenizerSpec) -> Any:
+def hf_tokenizer(spec: TokenizerSpec) -> Any:
+    """The `tokenizers.Tokenizer` in `spec.path`, loaded once per process.
+
+    Raises:
+        DatasetError: the file cannot be read or parsed, or its sha256 is not `spec.sha256`.
+    """
     if spec.sha256 not in _LOADED:
         sha256, hf = _read(spec.path)
         if sha256 != spec.sha256:
@@ -181,7 +186,7 @@ def encode(spec: TokenizerSpec, docs: list[bytes]) -> tuple[np.ndarray, int]:
         lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         flat = np.frombuffer(b"".join(docs), dtype=np.uint8)
     else:
-        hf = _hf_tokenizer(spec)
+        hf = hf_tokenizer(spec)
         texts = [d.decode("utf-8") for d in docs]
         try:
             encodings = hf.encode_batch_fast(texts, add_special_tokens=False)
