@@ -36,7 +36,8 @@ def state():
 
 def save(run_dir, step, arrays, config_hash="h1"):
     mngr = checkpoint.make_manager(str(run_dir))
-    checkpoint.save(mngr, step, arrays, {"next_index": step * 8}, config_hash)
+    # One batch a step: the data iterator's count is the step (state_problem checks it).
+    checkpoint.save(mngr, step, arrays, {"next_index": step}, config_hash)
     mngr.wait_until_finished()
     mngr.close()
 
@@ -47,7 +48,7 @@ def test_round_trip_restores_arrays_on_their_shardings(tmp_path, state):
     mngr = checkpoint.make_manager(str(tmp_path))
     arrays, data_iter, meta = checkpoint.restore(mngr, 3, fresh.arrays)
     mngr.close()
-    assert data_iter == {"next_index": 24} and meta["step"] == 3 and meta["config_hash"] == "h1"
+    assert data_iter == {"next_index": 3} and meta["step"] == 3 and meta["config_hash"] == "h1"
     # The checksums saved from the (2, 2, 2) mesh hold for the arrays read onto (8, 1, 1).
     assert checkpoint.state_problem(checkpoint._pure(arrays), meta, "h1") is None
     for a, b in zip(jax.tree.leaves(state.arrays), jax.tree.leaves(arrays), strict=True):
@@ -121,10 +122,12 @@ def test_an_uncommitted_step_is_never_the_latest(tmp_path, state):
     assert checkpoint.latest_step(str(tmp_path)) == 5
 
 
-def _restore_newest(run_dir, arrays, config_hash="h1"):
+def _restore_newest(run_dir, arrays, config_hash="h1", data_problem=None):
     mngr = checkpoint.make_manager(str(run_dir))
     try:
-        return checkpoint.restore_newest_valid(mngr, str(run_dir), arrays, config_hash)
+        return checkpoint.restore_newest_valid(
+            mngr, str(run_dir), arrays, config_hash, data_problem
+        )
     finally:
         mngr.close()
 
@@ -135,7 +138,7 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(
     cut_checkpoint_data(tmp_path / "checkpoints" / "10" / "state")
 
     step, arrays, data_state = _restore_newest(tmp_path, state.arrays)
-    assert step == 5 and data_state == {"next_index": 40}
+    assert step == 5 and data_state == {"next_index": 5}
     for a, b in zip(jax.tree.leaves(state.arrays), jax.tree.leaves(arrays), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
@@ -304,7 +307,7 @@ def test_a_checkpoint_whose_bytes_changed_after_the_save_is_never_resumed(tmp_pa
     flip_low_bit(tmp_path / "checkpoints" / "10" / "state", needle)
 
     step, _, data_state = _restore_newest(tmp_path, wide.arrays)
-    assert step == 5 and data_state == {"next_index": 40}
+    assert step == 5 and data_state == {"next_index": 5}
     (moved,) = (tmp_path / "quarantine").iterdir()
     reason = (moved / "QUARANTINED.txt").read_text()
     assert "array model/blocks/0/up/kernel does not match the checksum saved with it" in reason
@@ -334,3 +337,46 @@ def test_checksums_see_any_changed_word_and_old_steps_without_them_verify(tmp_pa
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "checksums"}))
     assert checkpoint.verify_checkpoint(str(tmp_path), 10, "h1").step == 10
+
+
+def _quarantined(run_dir) -> str:
+    (moved,) = (run_dir / "quarantine").iterdir()
+    return (moved / "QUARANTINED.txt").read_text()
+
+
+def test_a_checkpoint_under_another_steps_name_is_quarantined(tmp_path, state):
+    # A step directory renamed or copied under a higher number was resumed from: steps in
+    # between were skipped silently, and the run ended with other parameters.
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+    (tmp_path / "checkpoints" / "10").rename(tmp_path / "checkpoints" / "12")
+    step, _, _ = _restore_newest(tmp_path, state.arrays)
+    assert step == 5
+    assert "holds step 10, not the step 12 its directory is named for" in _quarantined(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("saved", "problem", "reason"),
+    [
+        # One bit of "16" made "14": the resumed run read other batches, no error.
+        ({"next_index": 8}, None, "its data iterator state is at batch 8, not at step 10's"),
+        # Damage only the iterator can tell (a batch size or seed the training hash rules
+        # out): the run failed on every rerun, the checkpoint left in place.
+        ({"next_index": 10, "global_batch": 14}, "has global_batch=14", "has global_batch=14"),
+    ],
+)
+def test_a_checkpoint_whose_data_state_cannot_resume_is_quarantined(
+    tmp_path, state, saved, problem, reason
+):
+    save(tmp_path, 5, state.arrays)
+    mngr = checkpoint.make_manager(str(tmp_path))
+    checkpoint.save(mngr, 10, state.arrays, saved, "h1")
+    mngr.wait_until_finished()
+    mngr.close()
+
+    def data_problem(data_state):
+        return problem if "global_batch" in data_state else None
+
+    step, _, data_state = _restore_newest(tmp_path, state.arrays, data_problem=data_problem)
+    assert (step, data_state) == (5, {"next_index": 5})
+    assert reason in _quarantined(tmp_path)

@@ -153,7 +153,7 @@ def verify_checkpoint(
         )
     try:
         state, meta = restore_on_host(run_dir, step)
-        problem = state_problem(state, meta, config_hash)
+        problem = state_problem(state, meta, config_hash, step)
     except Exception as exc:
         problem = restore_error(exc)
     if problem is not None:

@@ -7,6 +7,7 @@ wrote it (re-exported by workloads/checkpoint.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,11 +57,34 @@ def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict,
     return restored, out["data_iter"], out["meta"]
 
 
-def state_problem(state: Any, meta: dict, config_hash: str) -> str | None:
-    """Why a restored checkpoint must not be trusted (wrong config, NaN/Inf, arrays that
-    differ from their saved checksums), or None. `state`: the restored pure dict."""
+def state_problem(
+    state: Any,
+    meta: dict,
+    config_hash: str,
+    step: int | None = None,
+    data_state: dict | None = None,
+    data_problem: Callable[[dict], str | None] | None = None,
+) -> str | None:
+    """Why a restored checkpoint must not be trusted, or None. `state`: the restored pure
+    dict; `step`: the step its directory is named for; `data_problem`: why the saved data
+    iterator state cannot resume this run's iterator (`input.iterator_state_problem`).
+
+    Checked: the config; the step recorded inside against the directory's, and the data
+    iterator's batch count against both (one batch a step: a directory renamed or copied
+    under another number skipped steps silently, and a state edited to another count
+    resumed another place in the stream, as neither has a checksum); NaN/Inf; arrays that
+    differ from their saved checksums.
+    """
     if meta.get("config_hash") != config_hash:
         return f"written by config {meta.get('config_hash')}, this run's config is {config_hash}"
+    if step is not None and meta.get("step", step) != step:
+        return f"holds step {meta.get('step')}, not the step {step} its directory is named for"
+    if data_state is not None and step is not None:
+        batches = data_state.get("next_index", step)
+        if batches != step:
+            return f"its data iterator state is at batch {batches}, not at step {step}'s"
+        if data_problem is not None and (problem := data_problem(data_state)) is not None:
+            return f"its data iterator state {problem}"
     return integrity.integrity_problem(state, meta.get("checksums"))
 
 
@@ -74,9 +98,14 @@ def restore_error(exc: BaseException) -> str:
 
 
 def restore_newest_valid(
-    mngr: ocp.CheckpointManager, run_dir: str, arrays: dict, config_hash: str
+    mngr: ocp.CheckpointManager,
+    run_dir: str,
+    arrays: dict,
+    config_hash: str,
+    data_problem: Callable[[dict], str | None] | None = None,
 ) -> tuple[int, dict, dict | None]:
-    """Resume point: the newest checkpoint that restores, is finite and is this config's.
+    """Resume point: the newest checkpoint that restores, is finite, is this config's and
+    whose data iterator state resumes this run's iterator (`state_problem`).
 
     Each newer checkpoint that fails is quarantined first. Returns (step, arrays, data
     iterator state); (0, arrays, None) when nothing valid exists, with `arrays` untouched.
@@ -96,7 +125,9 @@ def restore_newest_valid(
             log.warning("checkpoint step %d %s", step, problem)
         problem = _agreed_problem(problem)
         if problem is None:  # every host holds its shards: collective checks are safe
-            problem = state_problem(pure_dicts(restored), meta, config_hash)
+            problem = state_problem(
+                pure_dicts(restored), meta, config_hash, step, data_state, data_problem
+            )
         if problem is None:
             return step, restored, data_state
         if jax.process_index() == 0:

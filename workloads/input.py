@@ -169,24 +169,31 @@ def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
     """Move a fresh iterator to a position saved by `iterator_state_to_json`.
 
     Raises:
-        ValueError: the state was saved with another global batch size or seed, where the
-            same count of batches is another place in another stream (a state saved before
-            these were recorded is taken as it is), or it is not such a state at all.
+        ValueError: `iterator_state_problem` names a problem.
     """
-    layout = _LAYOUTS.get(it, {})
-    for key, value in layout.items():
-        if key in state and state[key] != value:
-            raise ValueError(
-                f"iterator state saved with {key}={state[key]} cannot resume an iterator with "
-                f"{key}={value}: the batches it counts are not this iterator's"
-            )
+    if (problem := iterator_state_problem(it, state)) is not None:
+        raise ValueError(f"iterator state {problem}")
     try:
         it.set_state({k: v for k, v in state.items() if k not in _LAYOUT_KEYS})
     except KeyError as exc:  # grain's own message is the bare key
-        raise ValueError(
-            f"iterator state with keys {sorted(state)} lacks {exc}: not a state "
-            "iterator_state_to_json saved"
-        ) from None
+        raise ValueError(f"iterator state with keys {sorted(state)} lacks {exc}") from None
+
+
+def iterator_state_problem(it: grain.DatasetIterator, state: dict) -> str | None:
+    """Why `state` cannot resume `it`, or None: it was saved with another global batch
+    size or seed, where the same count of batches is another place in another stream (a
+    state saved before these were recorded is taken as it is), or it is not such a state
+    at all (grain's own message was the bare missing key)."""
+    for key, value in _LAYOUTS.get(it, {}).items():
+        if key in state and state[key] != value:
+            return (
+                f"saved with {key}={state[key]} cannot resume an iterator with "
+                f"{key}={value}: the batches it counts are not this iterator's"
+            )
+    if "next_index" not in state:
+        keys = sorted(state)
+        return f"with keys {keys} lacks 'next_index': not a state iterator_state_to_json saved"
+    return None
 
 
 def _jsonable(value: Any) -> Any:

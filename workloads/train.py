@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -188,7 +189,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         report.status("restoring", step=mngr.latest_step())
     restore_started = time.perf_counter()
     start, arrays, data_state = checkpoint.restore_newest_valid(
-        mngr, wcfg.run_dir, arrays, wcfg.config_hash
+        mngr, wcfg.run_dir, arrays, wcfg.config_hash, partial(input.iterator_state_problem, data)
     )
     if start:
         input.restore_iterator_state(data, data_state)
