@@ -20,7 +20,7 @@ def save_step(run_dir: str, step: int) -> None:
     train = TrainConfig(steps=step, batch_size=8, warmup_steps=1)
     state = create_train_state(model, train, 257, seed=0, mesh=make_mesh(MeshConfig(data=8)))
     mngr = checkpoint.make_manager(run_dir)
-    checkpoint.save(mngr, step, state.arrays, {"next_index": 8 * step}, "h1")
+    checkpoint.save(mngr, step, state.arrays, {"next_index": step}, "h1")
     mngr.wait_until_finished()
     mngr.close()
 
@@ -42,8 +42,13 @@ def test_steps_another_process_writes_and_deletes_are_seen(gcs_client, bucket):
     save_step(run_dir, 4)
     assert checkpoint.latest_step(run_dir) == 4
 
+    # Step 8 written elsewhere and moved in, step 4 deleted: what the workload does to the
+    # listing. (A copy of step 4 named 8 is refused now: it holds step 4.)
+    save_step(f"gs://{bucket}/root/runs/scratch", 8)
     prefix = "root/runs/other/checkpoints/"
-    copy_prefix(gcs_client, bucket, prefix + "4/", prefix + "8/", delete=True)
+    copy_prefix(gcs_client, bucket, "root/runs/scratch/checkpoints/8/", prefix + "8/")
+    for blob in list(gcs_client.list_blobs(bucket, prefix=prefix + "4/")):
+        blob.delete()
 
     assert checkpoint.latest_step(run_dir) == 8
     assert checkpoint.committed_steps(run_dir) == [8]
