@@ -100,10 +100,12 @@ def _validate(path: str, config, price) -> int:
     see (local sources, the tokenizer file, an existing local run); exit 0 or 2."""
     from tasks.plan import plan_run
     from tasks.prepare import DatasetError, check_inputs
+    from tasks.run_owner import check_run_owner
 
     remote = [s for s in config.dataset.sources if "://" in s]
     try:
-        _, files = check_inputs(config, plan_run(config), remote=False)
+        plan, files = check_inputs(config, plan_run(config), remote=False)
+        check_run_owner(config, plan, remote=False)
     except (ConfigError, DatasetError) as exc:
         print(f"invalid config or input:\n{exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from tasks.access import check_backend_access, check_slice_access
 from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
+from tasks.run_owner import check_run_owner
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.config_file import ConfigError
@@ -236,6 +237,7 @@ def _cannot_create(path: str) -> str | None:
 def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Checks that cost nothing: field and cross-field rules (already enforced when the
     config was built), that every source resolves, that a rerun trains the same thing, that
+    the run name has not landed from another run directory (`tasks.run_owner`), that
     the cloud backends' credentials resolve and an existing BigQuery dataset is in
     metrics.location (`tasks.access`), that the `gs://` storage root's bucket and a gcp
     slice's wheel exist (`tasks.remote`), that the price table (`cost.price_table`) reads,
@@ -252,6 +254,7 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     check_backend_access(config, plan)  # credentials resolve, before any call that needs them
     check_gcs_places(config)  # a missing bucket or wheel: before any source is read
     plan, files = check_inputs(config, plan)
+    check_run_owner(config, plan)  # another run's landed rows under this name
     price = price_for(config)
     logger = get_run_logger()
     logger.info("run %s: %d source files, run directory %s", plan.run_id, files, plan.run_dir)

@@ -1,0 +1,63 @@
+"""Is the run name this run lands under free in the metrics sink, or this run's own?
+
+Rows are keyed by run name (`runs.run_id`), while a run's files live in its run directory
+under `storage.root`. Two runs of one name in different storage roots that land in one
+metrics file or BigQuery dataset (two checkouts, a colleague's run of `demo`, a moved
+storage root) replaced each other's rows and mixed them: the second run's row kept the
+first's `started_at`, the first run's step rows past the second's final step stayed under
+it, and a failed third run landed one row from three runs' results. The run checks,
+before anything is sharded or provisioned, that a landed row of its name, if any, names
+its own run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from tasks.plan import RunPlan
+from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
+
+log = logging.getLogger(__name__)
+
+# A DuckDB file another process holds is not waited for long: landing waits, and says so.
+LOCK_WAIT_S = 2.0
+
+
+def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) -> None:
+    """Refuse a run name whose landed `runs` row belongs to another run directory.
+
+    Best effort: a sink that cannot be read (no file or table yet, a held DuckDB file, a
+    BigQuery error) passes, as landing reports its own errors. `remote=False` skips a
+    BigQuery sink (`tpupipe validate` contacts no cloud service).
+
+    Raises:
+        ConfigError: naming the run name, where it landed from and what to change.
+    """
+    metrics = config.metrics
+    if metrics.sink == "duckdb" and not os.path.exists(plan.metrics_path):
+        return  # nothing landed; reading would create the file
+    if metrics.sink == "bigquery" and not remote:
+        return
+    from infra.metrics import build_sink
+
+    try:
+        sink = build_sink(metrics.sink, plan.metrics_path, metrics, LOCK_WAIT_S)
+        row = sink.read_run(plan.run_id)
+    except Exception as exc:  # the check is advisory: landing reports a real problem
+        log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
+        return
+    if row is None or row.run_dir == plan.run_dir:
+        return
+    where = (
+        f"metrics.path {plan.metrics_path}"
+        if metrics.sink == "duckdb"
+        else (f"metrics.dataset {metrics.dataset}")
+    )
+    raise ConfigError(
+        f"run_name = {config.run_name!r}: a run of this name from another run directory, "
+        f"{row.run_dir}, has landed in {where} ({row.status}, {row.final_step} steps); this "
+        f"run's directory is {plan.run_dir}. Its rows would be replaced by and mixed with "
+        "this run's: give this run another run_name, or another metrics sink"
+    )

@@ -1,0 +1,63 @@
+"""A run name that landed from another run directory is refused before anything is
+sharded or provisioned (tasks/run_owner.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from flows.cli import main as cli_main
+from infra.metrics import DuckDBSink, RunRow
+from tasks.plan import plan_run
+from tasks.run_owner import check_run_owner
+from tests.helpers import REPO, tiny_config
+from workloads.config_file import ConfigError
+
+
+def _land(path, run_dir: str) -> None:
+    DuckDBSink(path).land(
+        RunRow(
+            run_id="tiny",
+            run_name="tiny",
+            status="completed",
+            config_hash="h",
+            config_json="{}",
+            dataset_fingerprint="fp",
+            started_at=datetime(2026, 11, 26, tzinfo=UTC),
+            final_step=30,
+            run_dir=run_dir,
+        ),
+        [],
+        [],
+    )
+
+
+def test_a_run_name_landed_from_another_run_directory_is_refused(tmp_path, capsys):
+    # Two runs of one name in two storage roots landing in one file replaced and mixed
+    # each other's rows: the second kept the first's started_at and its later step rows.
+    shared = tmp_path / "shared.duckdb"
+    _land(shared, "/elsewhere/runs/tiny")
+    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    plan = plan_run(config)
+    with pytest.raises(ConfigError) as err:
+        check_run_owner(config, plan)
+    message = str(err.value)
+    assert "run_name = 'tiny'" in message and "/elsewhere/runs/tiny" in message
+    assert f"metrics.path {shared}" in message and plan.run_dir in message
+    args = ["validate", "--config", str(REPO / "configs" / "tiny.yaml")]
+    args += ["--set", f"storage.root={tmp_path / 'root'}", "--set", f"metrics.path={shared}"]
+    assert cli_main(args) == 2
+    assert "/elsewhere/runs/tiny" in capsys.readouterr().err
+
+
+def test_the_same_run_and_a_name_not_landed_pass(tmp_path):
+    shared = tmp_path / "shared.duckdb"
+    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    plan = plan_run(config)
+    check_run_owner(config, plan)  # nothing landed: the file is not created to look
+    assert not shared.exists()
+    _land(shared, plan.run_dir)  # a rerun of this run
+    check_run_owner(config, plan)
+    other = tiny_config(tmp_path / "root", f"metrics.path={shared}", "run_name=other")
+    check_run_owner(other, plan_run(other))
