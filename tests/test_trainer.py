@@ -119,12 +119,19 @@ def test_padding_rows_of_the_vocab_get_no_probability():
     assert float(probs[..., 257:].sum()) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_non_finite_loss_stops_with_a_clear_error():
-    pending = [(7, {"loss": np.float32("nan"), "grad_norm": np.float32(1.0), "tokens": 8.0})]
-    with pytest.raises(NonFiniteError, match=r"step 7: loss=nan .* not finite"):
-        window = MetricsWindow(lr_schedule(TRAIN), 1e6, 1e9)
-        window.pending = pending
+def test_non_finite_loss_stops_with_a_clear_error_and_the_rows_up_to_it():
+    def metrics(loss):
+        return {"loss": np.float32(loss), "grad_norm": np.float32(1.0), "tokens": 8.0}
+
+    window = MetricsWindow(lr_schedule(TRAIN), 1e6, 1e9)
+    window.pending = [(5, metrics(2.5)), (6, metrics(2.25)), (7, metrics("nan")), (8, metrics(2))]
+    with pytest.raises(NonFiniteError, match=r"step 7: loss=nan .* not finite") as err:
         window.flush()
+    # The finite steps before it were lost with the error (up to log_every - 1 rows); the
+    # diverged step is a row too, which lands flagged as non-finite.
+    assert [(r["step"], r["loss"]) for r in err.value.rows[:2]] == [(5, 2.5), (6, 2.25)]
+    assert err.value.rows[2]["step"] == 7 and np.isnan(err.value.rows[2]["loss"])
+    assert len(err.value.rows) == 3 and window.pending == []
 
 
 class _Step:

@@ -18,7 +18,15 @@ MAX_STEPS_AHEAD = 2
 
 
 class NonFiniteError(RuntimeError):
-    """Loss or gradient norm became NaN/Inf: the run stops and nothing bad is saved."""
+    """Loss or gradient norm became NaN/Inf: the run stops and nothing bad is saved.
+
+    `rows`: from `MetricsWindow.flush`, the window's rows up to and including the first
+    non-finite step, for the run's metrics (a diverged step stays visible, flagged).
+    """
+
+    def __init__(self, message: str, rows: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.rows = rows or []
 
 
 class MetricsWindow:
@@ -52,24 +60,28 @@ class MetricsWindow:
         """Fetch the window in one transfer, check it, and return one row per step.
 
         Raises:
-            NonFiniteError: naming the first step whose loss or gradient norm is NaN/Inf.
+            NonFiniteError: naming the first step whose loss or gradient norm is NaN/Inf,
+                with the rows up to it (`NonFiniteError.rows`): the finite steps before it
+                in the window were lost with the error.
         """
         fetched = jax.device_get([m for _, m in self.pending])
         now = time.perf_counter()
         per_step = (now - self.started) / max(len(self.pending), 1)
-        rows = [
-            self._row(step, m, per_step) for (step, _), m in zip(self.pending, fetched, strict=True)
-        ]
-        self.pending, self.started = [], now
+        window, self.pending, self.started = self.pending, [], now
+        rows = []
+        for (step, _), m in zip(window, fetched, strict=True):
+            rows.append(self._row(step, m, per_step))
+            loss, grad_norm = rows[-1]["loss"], rows[-1]["grad_norm"]
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(
+                    f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopping "
+                    "without saving this state (lower train.learning_rate or check the data)",
+                    rows,
+                )
         return rows
 
     def _row(self, step: int, m: dict, step_time_s: float) -> dict[str, Any]:
         loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise NonFiniteError(
-                f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopping "
-                "without saving this state (lower train.learning_rate or check the data)"
-            )
         tokens_per_s = float(m["tokens"]) / step_time_s if step_time_s > 0 else None
         model_flops = self.flops_per_token * tokens_per_s if tokens_per_s else None
         return {

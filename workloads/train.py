@@ -33,7 +33,7 @@ from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
-from workloads.step_metrics import MetricsWindow
+from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
     create_train_state,
     lr_schedule,
@@ -232,7 +232,11 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             preempted = notice.stop_at(step - start) and step < total
             save_now = step % every == 0 or step == total or preempted
             if save_now or step % cfg.train.log_every == 0 or step == start + 1:
-                rows = window.flush()  # raises NonFiniteError before a bad state is saved
+                try:
+                    rows = window.flush()  # raises NonFiniteError before a bad state is saved
+                except NonFiniteError as exc:
+                    report.metrics(exc.rows)  # the window's steps up to the bad one
+                    raise
                 if step == start + 1:
                     # On the step's output layouts, which may differ from the initial ones.
                     checkpoint.prepare_saves(arrays)
