@@ -11,6 +11,7 @@ from prefect.cache_policies import NONE
 
 from infra.metrics import RunRow, build_sink
 from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
+    LEDGER_COLUMNS,
     build_rows,
     describe_steps,
     ledger_fields,
@@ -122,6 +123,17 @@ def land_metrics(
         )
     sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, lock_wait_s)
     sink.ensure_tables()
+    if error is None and run.final_step and not run.tokens_trained:
+        # A finished run trained steps: a ledger that counts none read a damaged events.jsonl
+        # (emptied, cut short), and would land zero goodput, wall time and cost over the
+        # run's real ones. The columns landed before stay.
+        logger.warning(
+            "%s/events.jsonl records no step of this finished run (cut short or damaged): "
+            "its goodput and cost columns are kept as landed before",
+            plan.run_dir,
+        )
+        if (stored := sink.read_run(run.run_id)) is not None:
+            run = run.model_copy(update={k: getattr(stored, k) for k in LEDGER_COLUMNS})
     landed = sink.land(run, steps, evals)
     logger.info(
         "landed run %s (%s): %d step rows, %d eval rows in %s%s",

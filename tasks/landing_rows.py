@@ -100,6 +100,25 @@ def run_ledger(config: PipelineConfig, run_dir: str) -> Ledger:
     return compute_ledger(events, price, tokens_per_step(config))
 
 
+# The `runs` columns `ledger_fields` fills.
+LEDGER_COLUMNS = (
+    "attempts",
+    "preemptions",
+    "goodput",
+    "wall_s",
+    *(f"{bucket}_s" for bucket in ("productive", "provisioning", "startup", "restore")),
+    *(f"{bucket}_s" for bucket in ("lost", "teardown", "idle")),
+    "chips",
+    "chip_hours",
+    "usd_per_chip_hour",
+    "price_source",
+    "price_as_of",
+    "cost_usd",
+    "tokens_trained",
+    "cost_per_million_tokens",
+)
+
+
 def ledger_fields(ledger: Ledger) -> dict:
     """The `runs` columns of the goodput-and-cost ledger: `chip_hours` and `cost_usd` sum
     every attempt at its own price; `chips` and the price are the last attempt's."""

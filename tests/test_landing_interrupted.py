@@ -190,3 +190,27 @@ def test_a_rerun_over_a_metrics_file_cut_short_keeps_the_landed_step_rows(
         assert "metrics.jsonl has no row for step 6-12 of 1-12" in caplog.text
     finally:
         path.write_bytes(whole)
+
+
+def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished, tmp_path):
+    # The ledger read from an emptied events.jsonl counted no attempt: the completed
+    # landing set attempts 0, goodput NULL, wall_s 0 and chip_hours 0 over the real ones.
+    from tasks.landing_rows import LEDGER_COLUMNS, ledger_fields, run_ledger
+    from tasks.plan import plan_run
+
+    config = tiny_config(finished, f"run_name={NAME}")
+    assert set(ledger_fields(run_ledger(config, plan_run(config).run_dir))) == set(LEDGER_COLUMNS)
+    metrics = tmp_path / "m.duckdb"
+    rerun(finished, metrics)
+    sink = DuckDBSink(metrics)
+    columns = ", ".join(LEDGER_COLUMNS)
+    before = sink.query(f"SELECT {columns} FROM runs WHERE run_id = ?", [NAME])
+    assert before[0][LEDGER_COLUMNS.index("tokens_trained")] > 0
+    path = Path(plan_run(config).run_dir) / "events.jsonl"
+    whole = path.read_bytes()
+    try:
+        path.write_bytes(b"")
+        assert rerun(finished, metrics).status == "completed"
+        assert sink.query(f"SELECT {columns} FROM runs WHERE run_id = ?", [NAME]) == before
+    finally:
+        path.write_bytes(whole)
