@@ -34,7 +34,7 @@ def build_rows(
     error: str | None = None,
 ) -> tuple[RunRow, list[StepMetricRow], list[EvalMetricRow]]:
     """Rows for the `runs`, `step_metrics` and `eval_metrics` tables from the run directory."""
-    metrics = RunDir(plan.run_dir).read_metrics()
+    metrics = RunDir(plan.run_dir).step_metrics()
     steps = [
         StepMetricRow(
             run_id=plan.run_id,
@@ -60,7 +60,6 @@ def build_rows(
                 recorded_at=datetime.now(UTC),
             )
         )
-    # The last row of a step counts (a step trained again after a resume is written again).
     by_step = {m["step"]: m for m in metrics}
     final_step = verified.step if verified else (max(by_step) if by_step else None)
     ledger = run_ledger(config, plan.run_dir)

@@ -114,7 +114,7 @@ def write_loss_curve(run_dir: str) -> str | None:
     Returns:
         The PNG's path, or None when no step has a finite loss yet.
     """
-    rows = [m for m in RunDir(run_dir).read_metrics() if m.get("loss") is not None]
+    rows = [m for m in RunDir(run_dir).step_metrics() if m.get("loss") is not None]
     if not rows:
         return None
     # Imported here: matplotlib costs a second, and only landing needs it.

@@ -114,7 +114,7 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         config=config,
         ledger=ledger,
         price=price,
-        metrics=RunDir(run_dir).read_metrics(),
+        metrics=RunDir(run_dir).step_metrics(),  # a step trained again: its last row
         # Damaged, it is left out with a warning naming it, as a damaged config.json is.
         evaluation=read_json(epath.Path(run_dir) / EVAL, unreadable_as_missing=True),
     )

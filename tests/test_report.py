@@ -301,3 +301,16 @@ def test_the_runs_row_starts_at_the_first_event_of_an_invocation_that_landed_not
     _write_events(run_dir, [{"time": rerun.timestamp() + 5, "attempt": 2, "event": "x"}])
     run, _, _ = build_rows(config, plan_run(config), rerun, None, None)
     assert run.started_at == rerun
+
+
+def test_a_step_trained_again_is_reported_by_its_last_row(tmp_path):
+    # The report's loss line and plots read every row of metrics.jsonl: a step trained
+    # again after a resume showed the discarded attempt's loss, and was plotted twice.
+    run_dir = fake_run(tmp_path)
+    again = [{"step": s, "loss": 9.0, "time": 100.0 + s} for s in (2, 4)]
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in again)
+    report = load_report(str(tmp_path), "three")
+    steps = [m["step"] for m in report.metrics]
+    assert steps == sorted(set(steps)) == list(range(2, 61, 2))
+    assert [m["loss"] for m in report.metrics[:3]] == [9.0, 9.0, 5.0 - 6 / 20]

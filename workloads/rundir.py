@@ -180,6 +180,16 @@ class RunDir:
                 rows.append(row)
         return rows
 
+    def step_metrics(self) -> list[dict[str, Any]]:
+        """One metrics row per step, in step order: the last one written, as landing keeps
+        (a step trained again after a resume is written again, and the earlier attempt's
+        row no longer counts)."""
+        return sorted({m["step"]: m for m in self.read_metrics()}.values(), key=_step)
+
+
+def _step(row: dict[str, Any]) -> int:
+    return row["step"]
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
