@@ -63,9 +63,12 @@ def run(args: argparse.Namespace) -> int:
         from tasks.report_plot import write_report_png
 
         try:
-            print(f"plot: {write_report_png(report, args.out)}")
+            plot = write_report_png(report, args.out)
         except OSError as exc:  # --out in a missing directory, or naming one
             reason = exc.strerror or exc
-            print(f"tpupipe report: cannot write the plot to {args.out}: {reason}", file=sys.stderr)
+            where = args.out or f"{report.run_dir}/report.png"
+            print(f"tpupipe report: cannot write the plot to {where}: {reason}", file=sys.stderr)
             return 1
+        # Outside the try: a closed stdout (`| head`) is not the plot's failure.
+        print(f"plot: {plot}")
     return 0
