@@ -15,22 +15,21 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
 from etils import epath
-from jax.experimental import multihost_utils
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
+from workloads.hosts import PreemptionNotice, init_distributed
 from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
 from workloads.step_metrics import MetricsWindow, NonFiniteError
@@ -48,62 +47,7 @@ if TYPE_CHECKING:
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again", distinct from a crash
 log = logging.getLogger("workloads.train")
 
-
-class PreemptionNotice:
-    """Set by SIGTERM; the loop saves at the next step boundary and exits.
-
-    Alone, a process decides by itself. With several hosts every host must save the same
-    step (a checkpoint save is collective), so once `jax.distributed` has started, JAX's
-    preemption service owns SIGTERM (it replaces our handler) and agrees with the other
-    hosts on the step to stop at: one past the furthest step any host has reported once
-    the notice has reached them all. That takes the service about a second (with tiny
-    steps of 0.15 s on 2 local hosts, a notice at step N stopped them at N+4 to N+8),
-    spent from the preemption's grace period; the step it stops at is saved, so no step
-    is lost.
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self.across_hosts = False
-
-    def install(self) -> None:
-        """Route SIGTERM to this flag instead of killing the process mid-step."""
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-    def stop_at(self, taken: int) -> bool:
-        """True once this attempt has taken `taken` steps and must now save and exit.
-
-        Called after every step, with the count of this attempt's steps rather than the
-        global step: the service stops one past the last count it was told, which is 0
-        (so: after the first step) for a notice that lands during start-up.
-        """
-        if self.across_hosts:
-            return multihost_utils.reached_preemption_sync_point(taken)
-        return self.received
-
-
-def init_distributed(env: Mapping[str, str] = os.environ) -> bool:
-    """Join the slice's other hosts, if there are any; True if `jax.distributed` started.
-
-    The local provider passes the coordinator explicitly (CPU collectives over gloo); on a
-    Cloud TPU slice `TPUPIPE_DISTRIBUTED=auto` lets JAX discover its peers itself.
-    """
-    processes = int(env.get("TPUPIPE_NUM_PROCESSES", "1"))
-    if processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=env["TPUPIPE_COORDINATOR_ADDRESS"],
-            num_processes=processes,
-            process_id=int(env["TPUPIPE_PROCESS_ID"]),
-        )
-        return True
-    if env.get("TPUPIPE_DISTRIBUTED") == "auto":
-        jax.distributed.initialize()
-        return True
-    return False
+__all__ = ["PREEMPTED_EXIT", "PreemptionNotice", "init_distributed", "main", "run"]
 
 
 def configure_compile_cache(cache_dir: str | None) -> None:
