@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from infra.metrics import EvalMetricRow, RunRow, StepMetricRow
-from tasks.goodput import read_events
+from tasks.goodput import BUCKETS, read_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.plan import RunPlan
 from tasks.pricing import price_or_unpriced
@@ -105,8 +105,7 @@ LEDGER_COLUMNS = (
     "preemptions",
     "goodput",
     "wall_s",
-    *(f"{bucket}_s" for bucket in ("productive", "provisioning", "startup", "restore")),
-    *(f"{bucket}_s" for bucket in ("lost", "teardown", "idle")),
+    *(f"{bucket}_s" for bucket in BUCKETS),
     "chips",
     "chip_hours",
     "usd_per_chip_hour",

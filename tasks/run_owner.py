@@ -54,7 +54,7 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     where = (
         f"metrics.path {plan.metrics_path}"
         if metrics.sink == "duckdb"
-        else (f"metrics.dataset {metrics.dataset}")
+        else f"metrics.dataset {metrics.dataset}"
     )
     raise ConfigError(
         f"run_name = {config.run_name!r}: a run of this name from another run directory, "
