@@ -7,8 +7,10 @@ matmul of the backward pass), each shape timed by itself (best of several runs) 
 by how often the step runs it. Their FLOP/s, ÷ the 2048² matmul peak, is what the
 model-FLOP/s figure would read if nothing but these matmuls took time; the workload's
 model FLOP/s ÷ theirs is the share of its step spent in them (the rest: norms, softmax,
-GELU, rotary, the loss and the optimizer). Their FLOPs are checked against
-`workloads.perf.model_flops_per_token`, so both figures count the same work.
+GELU, rotary, the loss and the optimizer). The logits are timed at the rows the model pads
+its embedding table to, the work the step does, and counted at the tokenizer's vocabulary,
+as `workloads.perf.model_flops_per_token` counts them (checked), so both figures count the
+same model FLOPs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def step_matmuls(d: int, ff: int, heads: int, layers: int, vocab: int, batch: in
 
     Args:
         d, ff, heads, layers: The model's width, MLP width, heads and depth.
-        vocab: Rows of the (tied) embedding table, padded as the model pads them.
+        vocab: Rows of the (tied) embedding table's logits: the tokenizer's vocabulary to
+            count model FLOPs, the padded table's rows to time what the step runs.
         batch, seq: Sequences per step and their length.
     """
     tokens, hd, attn = batch * seq, d // heads, (batch, heads)
@@ -80,13 +83,15 @@ def measure(size: str, batch: int, seq_len: int) -> dict:
     from workloads.perf import model_flops_per_token
 
     cfg = ModelConfig(size=size, dtype="float32", max_seq_len=seq_len)
-    vocab = padded_vocab_size(257)  # the byte tokenizer's vocabulary, as the bench trains
-    shapes = step_matmuls(cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers, vocab, batch, seq_len)
-    total = sum(flops(s, dims) * times for s, dims, times in shapes)
-    expected = model_flops_per_token(cfg, 257, seq_len) * batch * seq_len
+    vocab = 257  # the byte tokenizer's vocabulary, as the bench trains
+    model_dims = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers)
+    counted = step_matmuls(*model_dims, vocab, batch, seq_len)
+    total = sum(flops(s, dims) * times for s, dims, times in counted)
+    expected = model_flops_per_token(cfg, vocab, seq_len) * batch * seq_len
     if total != expected:  # the two counts must describe the same work
         raise AssertionError(f"step matmuls count {total} FLOPs, the model's formula {expected}")
-    seconds = sum(time_matmul(s, dims) * times for s, dims, times in shapes)
+    run = step_matmuls(*model_dims, padded_vocab_size(vocab), batch, seq_len)
+    seconds = sum(time_matmul(s, dims) * times for s, dims, times in run)
     return {"flops_per_s": total / seconds, "seconds": seconds, "flops": total}
 
 

@@ -166,15 +166,15 @@ def test_markdown_has_one_line_per_row_and_names_failures():
     "model", [{"size": "tiny"}, {"size": "small"}, {"size": "base"}, {"d_model": 96, "n_heads": 3}]
 )
 def test_the_step_matmuls_benchmark_counts_the_models_flops(model):
-    # bench/matmuls.py times these shapes as the MFU ceiling: they must be the work the
+    # bench/matmuls.py counts these shapes as the MFU ceiling: they must be the work the
     # MFU figure counts, for any dimensions, or the ceiling compares different things.
-    from workloads.config import ModelConfig, padded_vocab_size
+    from workloads.config import ModelConfig
     from workloads.perf import model_flops_per_token
 
     cfg = ModelConfig(**model, max_seq_len=512)
     for batch, seq in ((8, 256), (3, 512)):
         shapes = matmuls.step_matmuls(
-            cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers, padded_vocab_size(257), batch, seq
+            cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_layers, 257, batch, seq
         )
         total = sum(matmuls.flops(s, dims) * times for s, dims, times in shapes)
         assert total == model_flops_per_token(cfg, 257, seq) * batch * seq
