@@ -12,8 +12,9 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
   attempt, of this invocation or a rerun, restored), or the finish (unless a rerun
   quarantined the final checkpoint and resumed from before it);
 - lost: that checkpoint → the attempt's end (work done again by a later attempt);
-- teardown: the attempt's end → its slice deleted (after a finished run: from its last
-  step, since nothing after it is trained again);
+- teardown: the attempt's end → its slice deleted; after a finished run from its last step,
+  and after a preemption notice from the step the workload saved on it (its save and exit),
+  since nothing after that step is trained again;
 - idle: whatever no bucket explains (waits between attempts, orchestration).
 
 `attempt_timelines` places those buckets on the clock, attempt by attempt (the report's
@@ -171,9 +172,12 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
                 keep_until, line.kept_step = t["finished"], finished
             kept_end = min(max(first if keep_until is None else keep_until, first), end)
             line.segments.append(Segment("productive", first, kept_end))
-            # After the final step nothing is trained again: the workload's exit and the
-            # orchestrator noticing it hold the slice for nothing, like its deletion.
-            after = "teardown" if finished is not None else "lost"
+            # After the final step, or the step a preemption notice stopped the attempt at,
+            # nothing is trained again: the save, the workload's exit and the orchestrator
+            # noticing it hold the slice for nothing, like its deletion.
+            stopped = _last(evs, "preempted", "step")
+            ended_kept = stopped is not None and stopped == line.kept_step
+            after = "teardown" if finished is not None or ended_kept else "lost"
             line.segments.append(Segment(after, kept_end, end))
         if "deleted" in t:
             line.segments.append(Segment("teardown", end, end + max(t["deleted"] - end, 0.0)))

@@ -22,8 +22,8 @@ def test_buckets_of_a_run_killed_once_and_preempted_once():
         "startup": (20 - 10) + (80 - 70 - 2) + (115 - 105 - 3),
         "restore": 2 + 3,
         "productive": (40 - 20) + (95 - 80) + (150 - 115),
-        "lost": (45 - 40) + (96 - 95),  # SIGKILL after step 20's save; SIGTERM lost ~nothing
-        "teardown": 1 + 1 + 1,
+        "lost": 45 - 40,  # SIGKILL after step 20's save
+        "teardown": 1 + (96 - 95) + 1 + 1,  # with the exit after SIGTERM's save of step 30
         "idle": 151 - 144,
     }
     assert sum(result.seconds.values()) == pytest.approx(result.wall_s)
@@ -91,7 +91,7 @@ def test_work_a_later_attempt_resumed_from_is_kept_past_a_stepless_attempt(resto
     assert [t.steps_kept for t in timelines] == [10, 0, 10]
     result = compute_goodput(_startup_preemption(restored))
     assert result.seconds["productive"] == 9 + 9  # attempt 1's steps 1-10 were not lost
-    assert result.seconds["lost"] == 1  # its save at 14 to its end at 15
+    assert result.seconds["lost"] == 0  # its save at 14 and exit at 15 lost no step
 
 
 def test_a_final_attempt_that_restored_the_last_step_keeps_the_run_s_steps():
@@ -111,6 +111,28 @@ def test_a_final_attempt_that_restored_the_last_step_keeps_the_run_s_steps():
     assert (second.resumed_from, second.steps_kept) == (12, 0)
     result = compute_goodput(events)
     assert result.seconds["productive"] == 16 - 5 and result.goodput == pytest.approx(11 / 27)
+
+
+def test_a_preemption_notice_s_save_and_exit_is_teardown_not_lost():
+    # SIGTERM after step 10: the workload saves step 10 (its `checkpoint` event as the save
+    # starts, `preempted` once it has committed) and exits; attempt 2 resumes from step 10,
+    # so nothing after it was trained again. A SIGKILL after step 10's save loses the rest.
+    def ledger(notice: bool) -> list[dict]:
+        attempt1 = [
+            {"time": 0, "attempt": 1, "event": "provision_requested"},
+            {"time": 2, "attempt": 1, "event": "provision_ready"},
+            {"time": 5, "attempt": 1, "event": "first_step", "step": 1, "resumed_from": 0},
+            {"time": 14, "attempt": 1, "event": "checkpoint", "step": 10},
+            *([{"time": 15, "attempt": 1, "event": "preempted", "step": 10}] if notice else []),
+            {"time": 16, "attempt": 1, "event": "attempt_ended", "outcome": "preempted"},
+            {"time": 17, "attempt": 1, "event": "deleted"},
+        ]
+        return [*attempt1, *attempt_events(2, 20, 10, 20, "completed")]
+
+    noticed, killed = compute_goodput(ledger(True)), compute_goodput(ledger(False))
+    assert noticed.seconds["productive"] == killed.seconds["productive"] == (14 - 5) + 9
+    assert noticed.seconds["lost"] == 0 and killed.seconds["lost"] == 16 - 14
+    assert noticed.seconds["teardown"] == killed.seconds["teardown"] + (16 - 14)
 
 
 @pytest.mark.parametrize("resumed", [10, 0])
