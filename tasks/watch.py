@@ -96,6 +96,7 @@ def watch_slice(
     """
     started = clock()
     last_step, suspect_since, failing_since, heard = None, None, None, False
+    quarantined: set[int] = set()  # steps whose quarantine was logged
     stopping = STOPPING.get()
     while True:
         if stopping is not None and stopping.is_set():
@@ -126,6 +127,8 @@ def watch_slice(
             continue
         heartbeat = run_dir.read_status() or {}
         heard = heard or _ours(heartbeat, attempt, started)
+        if heard and _ours(heartbeat, attempt, started):
+            _log_quarantined(heartbeat, quarantined, log)
         step = heartbeat.get("step")
         if step != last_step and step is not None:
             log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
@@ -158,6 +161,15 @@ def watch_slice(
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
     return _ended(name, status.exit_code, final, clock() - started)
+
+
+def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]) -> None:
+    """Log, once each, the checkpoints the workload quarantined while resuming."""
+    for entry in heartbeat.get("quarantined") or []:
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if isinstance(step, int) and step not in seen:
+            seen.add(step)
+            log(f"checkpoint step {step} was quarantined, not resumed from: {entry.get('reason')}")
 
 
 def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:

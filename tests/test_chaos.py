@@ -324,7 +324,10 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(refere
     assert run.status == "completed" and run.params_sha256 == ref.params_sha256
     (moved,) = (root / "runs" / name / "quarantine").iterdir()
     assert moved.name.startswith(f"{newest}-")
-    restored = [
-        e for e in read_events(Path(run.run_dir) / "events.jsonl") if e["event"] == "restored"
-    ]
+    events = read_events(Path(run.run_dir) / "events.jsonl")
+    restored = [e for e in events if e["event"] == "restored"]
     assert restored[-1]["step"] < newest  # resumed from the checkpoint before the bad one
+    # The ledger says why, not only the slice log and QUARANTINED.txt.
+    (quarantined,) = [e for e in events if e["event"] == "quarantined"]
+    assert quarantined["step"] == newest and "does not restore" in quarantined["reason"]
+    assert quarantined["attempt"] == restored[-1]["attempt"]

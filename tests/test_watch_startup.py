@@ -112,3 +112,34 @@ def test_an_attempt_whose_workload_never_starts_is_retried_on_the_failure_budget
     assert [(e["attempt"], e["outcome"]) for e in ended] == [(1, "failed"), (2, "failed")]
     assert all(e["never_started"] for e in ended)
     assert list((tmp_path / "slices").glob("*.json")) == []
+
+
+def test_checkpoints_the_workload_quarantined_are_logged_once_each():
+    # A resume that quarantined a damaged checkpoint said so only in the slice's log and
+    # QUARANTINED.txt: the console showed a resume from an older step without a reason.
+    clock, lines = Clock(), []
+    bad = [{"step": 30, "reason": "does not restore: ValueError: cut"}]
+
+    def beats(now):
+        if now < 1020:  # the last attempt's heartbeat, with a quarantine of its own
+            return {"phase": "preempted", "attempt": 1, "time": 990.0, "step": 40,
+                    "quarantined": [{"step": 50, "reason": "old"}]}  # fmt: skip
+        later = [{"step": 20, "reason": "not finite"}] if now >= 1040 else []
+        step = 20 if now < 1060 else 21
+        return {"phase": "training", "attempt": 2, "time": now, "step": step,
+                "quarantined": bad + later}  # fmt: skip
+
+    class EndsAt1080:
+        def status(self, name: str) -> SliceStatus:
+            state = SliceState.TERMINATED if clock.now >= 1080 else SliceState.READY
+            return SliceStatus(name, state, 0 if clock.now >= 1080 else None)
+
+    run_dir = Heartbeats(beats)
+    run_dir.clock = clock
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    watch_slice(EndsAt1080(), "s", run_dir, settings, lines.append, None, clock, clock.sleep, 2)
+    quarantines = [line for line in lines if "quarantined" in line]
+    assert quarantines == [
+        "checkpoint step 30 was quarantined, not resumed from: does not restore: ValueError: cut",
+        "checkpoint step 20 was quarantined, not resumed from: not finite",
+    ]

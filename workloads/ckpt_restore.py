@@ -103,12 +103,14 @@ def restore_newest_valid(
     arrays: dict,
     config_hash: str,
     data_problem: Callable[[dict], str | None] | None = None,
+    on_quarantine: Callable[[int, str], None] | None = None,
 ) -> tuple[int, dict, dict | None]:
     """Resume point: the newest checkpoint that restores, is finite, is this config's and
     whose data iterator state resumes this run's iterator (`state_problem`).
 
-    Each newer checkpoint that fails is quarantined first. Returns (step, arrays, data
-    iterator state); (0, arrays, None) when nothing valid exists, with `arrays` untouched.
+    Each newer checkpoint that fails is quarantined first, and `on_quarantine(step,
+    reason)` called on every host. Returns (step, arrays, data iterator state);
+    (0, arrays, None) when nothing valid exists, with `arrays` untouched.
 
     With several hosts, each reads its own shards, so a damaged file may fail one host's
     read only. The hosts then agree on the outcome before anything collective runs: after
@@ -133,6 +135,8 @@ def restore_newest_valid(
         if jax.process_index() == 0:
             quarantine(run_dir, step, problem)
         multihost_utils.sync_global_devices(f"quarantine-{step}")
+        if on_quarantine is not None:
+            on_quarantine(step, problem)
         mngr.reload()
     return 0, arrays, None
 

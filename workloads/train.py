@@ -68,13 +68,22 @@ class _Reporter:
         self.events = EventLog.from_env(run_dir)
         self.primary = jax.process_index() == 0
         self.last_status = time.monotonic()
+        self.quarantined: list[dict[str, Any]] = []
 
     def status(self, phase: str, **fields: Any) -> None:
         if self.primary:
             self.events.check_lease()
             # The attempt tells the orchestrator this attempt's heartbeat from the last one's.
+            if self.quarantined:  # in every beat: the watch may miss any single one
+                fields["quarantined"] = self.quarantined
             self.rd.write_status(phase, attempt=self.events.attempt, **fields)
         self.last_status = time.monotonic()
+
+    def quarantine(self, step: int, reason: str) -> None:
+        """Tell the ledger and the orchestrator's console that a checkpoint this attempt
+        would have resumed from was quarantined (otherwise only its slice log said so)."""
+        self.quarantined.append({"step": step, "reason": reason})
+        self.event("quarantined", step=step, reason=reason)
 
     def silent_for(self) -> float:
         """Seconds since the last heartbeat."""
@@ -133,7 +142,12 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         report.status("restoring", step=mngr.latest_step())
     restore_started = time.perf_counter()
     start, arrays, data_state = checkpoint.restore_newest_valid(
-        mngr, wcfg.run_dir, arrays, wcfg.config_hash, partial(input.iterator_state_problem, data)
+        mngr,
+        wcfg.run_dir,
+        arrays,
+        wcfg.config_hash,
+        partial(input.iterator_state_problem, data),
+        report.quarantine,
     )
     if start:
         input.restore_iterator_state(data, data_state)
