@@ -380,3 +380,50 @@ def test_a_checkpoint_whose_data_state_cannot_resume_is_quarantined(
     step, _, data_state = _restore_newest(tmp_path, state.arrays, data_problem=data_problem)
     assert (step, data_state) == (5, {"next_index": 5})
     assert reason in _quarantined(tmp_path)
+
+
+NOT_DAMAGE = [
+    PermissionError(errno.EACCES, "Permission denied", "checkpoints/10/state/manifest.ocdbt"),
+    MemoryError(),
+    ValueError('UNAVAILABLE: Error reading "state/d/1a2b": HTTP 503 after 32 attempts'),
+    RuntimeError("restore failed in a thread"),  # wraps its cause, as orbax does
+]
+NOT_DAMAGE[3].__cause__ = ValueError("PERMISSION_DENIED: caller lacks storage.objects.get")
+
+
+@pytest.mark.parametrize("error", NOT_DAMAGE, ids=lambda e: type(e).__name__)
+def test_a_read_that_fails_for_no_fault_of_the_checkpoint_leaves_it_in_place(
+    tmp_path, state, monkeypatch, error
+):
+    # No permission, no memory, storage unavailable: quarantining the newest checkpoint
+    # for that threw away its steps (and on the orchestrator, cost a slice to train them).
+    save(tmp_path, 5, state.arrays)
+    save(tmp_path, 10, state.arrays)
+
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("workloads.ckpt_restore.restore", fails)
+    with pytest.raises(checkpoint.CheckpointUnreadable, match="step 10 could not be read"):
+        _restore_newest(tmp_path, state.arrays)
+    monkeypatch.setattr(checkpoint, "restore_on_host", fails)
+    with pytest.raises(checkpoint.CheckpointUnreadable, match="left in place") as raised:
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert not isinstance(raised.value, checkpoint.CheckpointError)  # a rerun must not retrain
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "5"]
+    assert not (tmp_path / "quarantine").exists()
+
+
+def test_a_read_that_fails_on_the_checkpoint_s_bytes_still_quarantines_it(
+    tmp_path, state, monkeypatch
+):
+    save(tmp_path, 10, state.arrays)
+
+    def fails(*args, **kwargs):
+        raise ValueError("DATA_LOSS: Error reading manifest: checksum mismatch")
+
+    monkeypatch.setattr(checkpoint, "restore_on_host", fails)
+    with pytest.raises(checkpoint.CheckpointError, match="DATA_LOSS"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    assert moved.name.startswith("10-")

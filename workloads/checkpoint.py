@@ -31,11 +31,14 @@ from workloads.ckpt_quarantine import (  # noqa: F401  (re-exported: the checkpo
 )
 from workloads.ckpt_restore import (  # noqa: F401  (re-exported: the checkpoints' one home)
     REASON_BYTES,
+    CheckpointUnreadable,
     restore,
     restore_error,
     restore_newest_valid,
     restore_on_host,
+    says_nothing_of_the_checkpoint,
     state_problem,
+    unreadable,
 )
 from workloads.ckpt_restore import pure_dicts as _pure  # the name save and tests use
 from workloads.step_metrics import NonFiniteError
@@ -141,7 +144,10 @@ def verify_checkpoint(
     """Restore the newest checkpoint and check its step, its config and that it is finite.
 
     Raises:
-        CheckpointError: naming the run directory and what is wrong.
+        CheckpointError: naming the run directory and what is wrong; the checkpoint is
+            quarantined.
+        CheckpointUnreadable: it could not be read for a reason that is no damage to it
+            (no permission, no memory, storage unavailable); it is left in place.
     """
     step = latest_step(run_dir)
     where = checkpoint_dir(run_dir)
@@ -155,6 +161,8 @@ def verify_checkpoint(
         state, meta = restore_on_host(run_dir, step)
         problem = state_problem(state, meta, config_hash, step)
     except Exception as exc:
+        if says_nothing_of_the_checkpoint(exc):
+            raise unreadable(str(where / str(step)), exc) from exc
         problem = restore_error(exc)
     if problem is not None:
         moved = quarantine(run_dir, step, problem)

@@ -6,7 +6,9 @@ wrote it (re-exported by workloads/checkpoint.py).
 
 from __future__ import annotations
 
+import errno
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ from workloads.ckpt_quarantine import quarantine
 log = logging.getLogger("workloads.checkpoint")
 
 REASON_BYTES = 1024  # of a restore problem, as hosts tell each other (see `_agreed_problem`)
+UNREADABLE = "[unreadable] "  # marks a problem that is no damage, as hosts tell each other
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> tuple[dict, dict, dict]:
@@ -88,6 +91,46 @@ def state_problem(
     return integrity.integrity_problem(state, meta.get("checksums"))
 
 
+class CheckpointUnreadable(RuntimeError):
+    """A checkpoint could not be read for a reason that says nothing about the checkpoint
+    (no permission, no memory, storage unavailable): it is left in place, never
+    quarantined, and the read fails. A later run, once that is fixed, resumes from it."""
+
+
+# Status codes (absl's, as tensorstore's errors begin) of a read that failed for want of
+# access, memory or a storage service, not because of the bytes read.
+_NOT_DAMAGE_CODES = re.compile(
+    r"\b(PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED):"
+)
+_NOT_DAMAGE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOMEM})
+
+
+def says_nothing_of_the_checkpoint(exc: BaseException) -> bool:
+    """Whether a failed read is the reader's or the storage's trouble, not damage: an
+    error a checkpoint's bytes cannot cause (quarantining a good checkpoint for it cost
+    the steps since the one before, and on the orchestrator, a slice to train them)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # orbax wraps errors of its threads
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError | PermissionError):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _NOT_DAMAGE_ERRNOS:
+            return True
+        if _NOT_DAMAGE_CODES.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def unreadable(where: str, exc: BaseException) -> CheckpointUnreadable:
+    """The error for a checkpoint left in place: `where` and why it could not be read."""
+    reason = restore_error(exc).removeprefix("does not restore: ")
+    return CheckpointUnreadable(
+        f"checkpoint {where} could not be read, for a reason that is not damage to it; it "
+        f"was left in place, and a run once that is fixed resumes from it: {reason}"
+    )
+
+
 def restore_error(exc: BaseException) -> str:
     """'does not restore: <error>', without the store's whole spec that tensorstore's
     errors append (60 lines of JSON for one array, in a message a person reads)."""
@@ -124,8 +167,12 @@ def restore_newest_valid(
             problem = None
         except Exception as exc:  # a truncated or missing file surfaces as any error
             problem = restore_error(exc)
+            if says_nothing_of_the_checkpoint(exc):
+                problem = UNREADABLE + str(unreadable(f"step {step}", exc))
             log.warning("checkpoint step %d %s", step, problem)
         problem = _agreed_problem(problem)
+        if problem is not None and UNREADABLE in problem:  # every host stops, none moves it
+            raise CheckpointUnreadable(problem.replace(UNREADABLE, "", 1))
         if problem is None:  # every host holds its shards: collective checks are safe
             problem = state_problem(
                 pure_dicts(restored), meta, config_hash, step, data_state, data_problem
