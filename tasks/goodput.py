@@ -70,7 +70,10 @@ class AttemptTimeline:
     """One attempt as the ledger saw it: its milestones, buckets and kept steps."""
 
     attempt: int
-    outcome: str | None  # completed / preempted / failed; None: no attempt_ended event
+    # completed / preempted / failed; "abandoned": no attempt_ended event, yet a later
+    # attempt exists (its orchestrator was killed, and a rerun took over); None: no
+    # attempt_ended event in the last attempt (still running, or killed and not rerun)
+    outcome: str | None
     requested: float | None  # first provisioning request
     ready: float | None  # slice ready (the last, if it was created more than once)
     ended: float  # attempt_ended, else finished, else its last event
@@ -137,6 +140,8 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
         ready = t.get("provision_ready")
         end = t.get("attempt_ended", t.get("finished", evs[-1]["time"]))
         outcomes = [e.get("outcome") for e in evs if e["event"] == "attempt_ended"]
+        if not outcomes and i < len(attempts) - 1:
+            outcomes = ["abandoned"]  # a later attempt exists: this one runs no more
         line = AttemptTimeline(
             attempt=attempt,
             outcome="preempted" if "preempted" in outcomes else (outcomes or [None])[-1],

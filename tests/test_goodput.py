@@ -159,3 +159,14 @@ def test_a_line_that_is_not_utf8_is_skipped_like_a_torn_one(tmp_path):
     ledger = tmp_path / "events.jsonl"
     ledger.write_bytes(RECORDED.read_bytes() + b"\xff\xfe garbage\n")
     assert read_events(ledger) == read_events(RECORDED)
+
+
+def test_an_attempt_a_killed_orchestrator_left_reads_abandoned_once_a_rerun_took_over():
+    # The orchestrator of attempt 1 was SIGKILLed: no attempt_ended. Before, the report
+    # showed it "running?" for good, after the rerun's attempt 2 had finished the run.
+    killed = attempt_events(1, 0, 0, 10, "preempted", invocation="a")
+    orphan = [e for e in killed if e["event"] not in ("attempt_ended", "deleted")]
+    rerun = attempt_events(2, 30, 10, 20, "completed", invocation="b")
+    assert [t.outcome for t in attempt_timelines(orphan)] == [None]  # maybe still running
+    assert [t.outcome for t in attempt_timelines([*orphan, *rerun])] == ["abandoned", "completed"]
+    assert compute_goodput([*orphan, *rerun]).preemptions == 0
