@@ -35,6 +35,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from google.api_core.exceptions import NotFound
 from google.cloud import bigquery
 
 from infra.gcp.retries import logged_retry
@@ -202,10 +203,13 @@ class BigQuerySink:
         return len(trials)
 
     def read_run(self, run_id: str) -> RunRow | None:
-        """The `runs` row of `run_id`, or None if it has not landed."""
-        rows = list(
-            self._query(f"SELECT * FROM `{self._table(RunRow)}` WHERE run_id = @run_id", run_id)
-        )
+        """The `runs` row of `run_id`, or None if it has not landed (no dataset or table
+        yet included: nothing has landed there, which is no error)."""
+        sql = f"SELECT * FROM `{self._table(RunRow)}` WHERE run_id = @run_id"
+        try:
+            rows = list(self._query(sql, run_id))
+        except NotFound:
+            return None
         return RunRow.model_validate(dict(rows[0].items())) if rows else None
 
     def query(self, sql: str, run_id: str | None = None) -> list[tuple]:

@@ -67,6 +67,13 @@ def test_a_sweep_lands_once_and_a_relanding_replaces_only_its_rows(sink):
     assert names == {"runs", "step_metrics", "eval_metrics", "sweeps"}
 
 
+def test_read_run_of_a_dataset_nothing_landed_in_yet_is_none(sink, caplog):
+    # A run's owner check reads its row before the first landing created the dataset: a
+    # NotFound there is no error (it logged "could not look up run" on every first run).
+    assert sink.read_run("first") is None
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
 def test_read_run_returns_the_landed_row_or_none(sink):
     run = RunRow(
         run_id="sw-t00",
