@@ -7,6 +7,7 @@ they add nothing to the workload's interface.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -144,7 +145,13 @@ def write_loss_curve(run_dir: str) -> str | None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     path = epath.Path(run_dir) / LOSS_CURVE
-    path.write_bytes(buffer.getvalue())
+    try:
+        path.write_bytes(buffer.getvalue())
+    except OSError as exc:  # a picture: never the reason a trained, landed run fails
+        _log.warning("could not write the loss curve %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()  # no half-written picture
+        return None
     return str(path)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.plan import RunPlan
+
+log = logging.getLogger(__name__)
 
 
 class RunInUse(RuntimeError):
@@ -81,8 +84,11 @@ def _held(path: Path, what: str, field: str, flow_run_id: str | None) -> Iterato
             "flow_run_id": flow_run_id,
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        try:  # who holds it, for the message above: no reason to stop the run on a full disk
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+        except OSError as exc:
+            log.warning("could not record this orchestrator in %s: %s", path, exc)
         yield
     finally:
         os.close(fd)  # releases the flock

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from etils import epath
+
 from infra.slices import SliceError, SliceState
 from workloads.rundir import RunDir
 from workloads.train import PREEMPTED_EXIT
@@ -158,8 +160,14 @@ def watch_slice(
             )
         sleep(settings.poll_s)
     final = run_dir.read_status() or {}
+    if not _ours(final, attempt, started):
+        # An older attempt's heartbeat, its error included: this attempt's workload died
+        # before it wrote one (a full disk), and that error was reported as this one's.
+        final = {}
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
+    if status.exit_code not in (0, PREEMPTED_EXIT, None) and not final.get("error"):
+        final = {**final, "error": _last_log_line(run_dir, name)}
     return _ended(name, status.exit_code, final, clock() - started)
 
 
@@ -170,6 +178,25 @@ def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]
         if isinstance(step, int) and step not in seen:
             seen.add(step)
             log(f"checkpoint step {step} was quarantined, not resumed from: {entry.get('reason')}")
+
+
+def _last_log_line(run_dir: RunDir, name: str) -> str | None:
+    """The last line of the slice's log (host 0's, in the run directory), saying so: the
+    error of a workload that could not write its heartbeat (a full disk), often its
+    traceback's last line. None when there is no such log (gcp slices log elsewhere)."""
+    path = epath.Path(getattr(run_dir, "path", "")) / "logs" / f"{name}.log"
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(size - 4096, 0))
+            tail = f.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = lines[-1] if len(lines[-1]) <= 400 else lines[-1][:400] + " ..."
+    return f"{line} (the last line of {path})"
 
 
 def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:

@@ -126,3 +126,13 @@ def test_an_unreadable_eval_json_leaves_the_eval_point_off_the_loss_curve(tmp_pa
     run.append_metrics([{"step": s, "loss": 5.0 / s} for s in range(1, 5)])
     (tmp_path / "eval.json").write_text('{"step": 4, "lo')  # a failed run's, torn
     assert write_loss_curve(str(tmp_path)) == str(tmp_path / "loss_curve.png")
+
+
+def test_a_loss_curve_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, caplog):
+    # A full disk under a run that trained and landed turned it into a failed run.
+    run = RunDir(tmp_path)
+    run.append_metrics([{"step": s, "loss": 5.0 / s} for s in range(1, 5)])
+    (tmp_path / "loss_curve.png").mkdir()  # cannot be written as a file
+    assert write_loss_curve(str(tmp_path)) is None
+    assert "could not write the loss curve" in caplog.text and "loss_curve.png" in caplog.text
+    assert loss_curve_link(None) == "n/a"

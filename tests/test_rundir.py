@@ -141,3 +141,24 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_pa
     monkeypatch.undo()
     assert read_json(path) == {"state": "training"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
+    # A write or flush that finds the disk full raises "[Errno 28] No space left on
+    # device" and nothing more: the run failed naming no file (metrics.jsonl, eval.json).
+    from workloads.rundir import append_lines
+
+    with pytest.raises(OSError, match=r"No space left on device: '/dev/full'") as raised:
+        append_lines("/dev/full", '{"step": 1}\n')  # a device that is always full
+    assert raised.value.errno == errno.ENOSPC
+
+    from etils import epath
+
+    path = epath.Path(tmp_path) / "eval.json"
+
+    def full(self, text, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(path), "write_text", full)
+    with pytest.raises(OSError, match=f"No space left on device: '{path}'"):
+        write_json_atomic(path, {"loss": 2.0})

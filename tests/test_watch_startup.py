@@ -13,7 +13,13 @@ import sys
 import pytest
 
 from infra.slices import SliceState, SliceStatus
-from tasks.watch import WatchSettings, WorkloadNeverStarted, WorkloadPreempted, watch_slice
+from tasks.watch import (
+    WatchSettings,
+    WorkloadFailed,
+    WorkloadNeverStarted,
+    WorkloadPreempted,
+    watch_slice,
+)
 from tests.helpers import tiny_config
 
 
@@ -143,3 +149,46 @@ def test_checkpoints_the_workload_quarantined_are_logged_once_each():
         "checkpoint step 30 was quarantined, not resumed from: does not restore: ValueError: cut",
         "checkpoint step 20 was quarantined, not resumed from: not finite",
     ]
+
+
+class ExitsWith:
+    """A slice whose workload has exited with `code`."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def status(self, name: str) -> SliceStatus:
+        return SliceStatus(name, SliceState.TERMINATED, self.code)
+
+
+def _failed_watch(tmp_path, heartbeat: dict | None, log_text: str | None):
+    clock = Clock()
+    run_dir = Heartbeats(lambda now: heartbeat)
+    run_dir.clock, run_dir.path = clock, tmp_path
+    if log_text is not None:
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "logs" / "s.log").write_text(log_text)
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    with pytest.raises(WorkloadFailed) as raised:
+        watch_slice(
+            ExitsWith(1), "s", run_dir, settings, lambda m: None, None, clock, clock.sleep, 2
+        )
+    return str(raised.value)
+
+
+def test_an_older_attempts_error_is_not_reported_as_this_ones(tmp_path):
+    # Attempt 1 failed on a permission; attempt 2's workload died on a full disk before it
+    # could write its heartbeat: the run reported attempt 1's PermissionError as its cause.
+    old = {"phase": "failed", "attempt": 1, "time": 900.0, "error": "PermissionError: ckpt"}
+    error = "OSError: [Errno 28] No space left on device: '/r/metrics.jsonl'"
+    log = f"step 3\nTraceback (most recent call last):\n{error}\n"
+    message = _failed_watch(tmp_path, old, log)
+    assert "PermissionError" not in message
+    assert "No space left on device: '/r/metrics.jsonl' (the last line of " in message
+    assert str(tmp_path / "logs" / "s.log") in message
+
+
+def test_this_attempts_error_is_reported_and_without_one_or_a_log_the_log_is_named(tmp_path):
+    ours = {"phase": "failed", "attempt": 2, "time": 1000.0, "error": "ValueError: bad batch"}
+    assert "ValueError: bad batch" in _failed_watch(tmp_path, ours, "OSError: not this\n")
+    assert _failed_watch(tmp_path / "x", None, None).endswith("see the slice log")

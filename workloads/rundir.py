@@ -30,6 +30,18 @@ class UnreadableFile(ValueError):
     not UTF-8, edited by hand); the message names the file."""
 
 
+@contextlib.contextmanager
+def naming(path: os.PathLike | str):
+    """Give an OSError raised inside that names no file (a write or flush that found the
+    disk full: "[Errno 28] No space left on device", and nothing more) `path` as its file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 def append_lines(path: os.PathLike, lines: str) -> None:
     """Append whole lines to a local file, in one write.
 
@@ -37,7 +49,7 @@ def append_lines(path: os.PathLike, lines: str) -> None:
     ended first, or the first line appended now would be glued to it, unreadable, and
     lost (an attempt's first metrics row or its `started` event).
     """
-    with open(path, "a+b") as f:  # "a": every write lands at the end, wherever we read
+    with naming(path), open(path, "a+b") as f:  # "a": every write lands at the end
         if f.seek(0, os.SEEK_END):  # not empty
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
@@ -54,8 +66,9 @@ def write_json_atomic(path: epath.Path, payload: dict[str, Any]) -> None:
         return
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with naming(path):
+            tmp.write_text(text)
+            os.replace(tmp, path)
     except BaseException:
         # A full disk or a signal mid-write: the old file stands, and no stray half-written
         # temporary is left beside it (the run directory is the user's to read).

@@ -275,9 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         return SUPERSEDED_EXIT
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-        RunDir(wcfg.run_dir).write_status("failed", error=error)
-        EventLog.from_env(wcfg.run_dir).emit("failed", error=error)
-        log.exception("training failed")
+        log.exception("training failed")  # first: writing the run directory may fail too
+        events = EventLog.from_env(wcfg.run_dir)
+        try:
+            RunDir(wcfg.run_dir).write_status("failed", error=error, attempt=events.attempt)
+            events.emit("failed", error=error)
+        except Exception:  # a full disk: the slice log says why, as the exit code does
+            log.exception("could not record the failure in %s", wcfg.run_dir)
         if notice.across_hosts:
             _exit_now(1)
         return 1
