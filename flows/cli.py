@@ -64,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
     from tasks.plan import metrics_path
-    from tasks.prepare import DatasetError
+    from tasks.prepare import DatasetError, DatasetWriteError
     from tasks.run_lock import RunInUse
 
     try:
         with orchestrate_here():
             run = tpu_training_pipeline(config=config)
+    except DatasetWriteError as exc:  # the machine's trouble (a full disk), not the input's
+        print(f"pipeline failed: {exc}", file=sys.stderr)
+        return 1
     except (ConfigError, DatasetError) as exc:
         # The config or its input must change (the flow raises these before provisioning).
         print(f"invalid config or input:\n{exc}", file=sys.stderr)

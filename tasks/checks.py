@@ -9,6 +9,7 @@ from tasks.plan import RunPlan
 from workloads import checkpoint, config_file, evaluate
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.rundir import CONFIG
+from workloads.sources import DatasetError
 
 
 def load_workload_config(plan: RunPlan) -> WorkloadConfig:
@@ -56,10 +57,22 @@ def finished_training(
     return verified
 
 
+class EvaluationError(RuntimeError):
+    """The eval split could not be read after training (deleted, damaged meanwhile): no
+    input to change before a rerun, as a DatasetError before provisioning would be."""
+
+
 @task(name="evaluate", cache_policy=NONE)
 def evaluate_checkpoint(plan: RunPlan, step: int) -> evaluate.EvalResult:
-    """Loss and bits-per-byte of the verified step on the eval split; writes eval.json."""
-    result = evaluate.evaluate(load_workload_config(plan), step)
+    """Loss and bits-per-byte of the verified step on the eval split; writes eval.json.
+
+    Raises:
+        EvaluationError: the dataset, accepted before training, cannot be read now.
+    """
+    try:
+        result = evaluate.evaluate(load_workload_config(plan), step)
+    except DatasetError as exc:
+        raise EvaluationError(f"cannot evaluate step {step}: {exc}") from exc
     evaluate.write_result(plan.run_dir, result)
     get_run_logger().info(
         "eval at step %d: loss %.4f, %.4f bits/byte over %d tokens",

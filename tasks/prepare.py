@@ -24,10 +24,12 @@ from workloads.config_file import ConfigError
 from workloads.config_memory import host_memory_bytes, memory_problems
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
+from workloads.sources import DatasetWriteError
 
 __all__ = [
     "ArtifactProgress",
     "DatasetError",
+    "DatasetWriteError",
     "check_backend_access",
     "check_inputs",
     "check_local_paths",

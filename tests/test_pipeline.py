@@ -3,6 +3,7 @@ training, verification, evaluation and landing in DuckDB."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -382,3 +383,45 @@ def test_a_run_stopped_by_bad_input_before_training_still_lands_its_failed_row(
         "SELECT status, error, dataset_fingerprint FROM runs WHERE run_id = 'badinput'"
     )
     assert status == "failed" and "corpus.jsonl:3" in error and fingerprint == ""
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "says"),
+    [
+        ("DatasetError", 2, "invalid config or input:"),  # the input must change
+        ("DatasetWriteError", 1, "pipeline failed:"),  # a full disk: nothing to change
+    ],
+)
+def test_cli_exit_code_tells_bad_input_from_a_dataset_it_could_not_write(
+    tmp_path, capsys, monkeypatch, error, code, says
+):
+    # A full disk while sharding exited 2, "invalid config or input", which the README
+    # keeps for a config or input the user must change.
+    from flows import cli, pipeline
+    from workloads import sources
+
+    def fails(config):
+        raise getattr(sources, error)("cannot write the shard /d/train-00000: No space left")
+
+    monkeypatch.setattr(pipeline, "tpu_training_pipeline", fails)
+    monkeypatch.setattr(cli, "orchestrate_here", contextlib.nullcontext)
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(tiny_config(tmp_path).model_dump(mode="json")))
+    assert cli.main(["run", "--config", str(path)]) == code
+    assert says in capsys.readouterr().err
+
+
+def test_an_eval_split_gone_after_training_is_an_evaluation_error(tmp_path, monkeypatch):
+    # Deleting the dataset during training exited 2 at evaluation ("invalid config or
+    # input"), although the input had been accepted and a slice had trained on it.
+    from tasks import checks
+    from workloads import evaluate
+    from workloads.sources import DatasetError
+
+    def gone(wcfg, step):
+        raise DatasetError("incomplete dataset: no manifest.json in /d")
+
+    monkeypatch.setattr(evaluate, "evaluate", gone)
+    monkeypatch.setattr(checks, "load_workload_config", lambda plan: None)
+    with pytest.raises(checks.EvaluationError, match="cannot evaluate step 40: incomplete"):
+        checks.evaluate_checkpoint.fn(None, 40)

@@ -180,3 +180,26 @@ def test_a_full_disk_while_writing_shards_names_the_shard(tmp_path, capsys, monk
     shard = r"cannot write the shard \S+/\S*(train|eval)-00000\S*: write\(\) failed: No space"
     assert re.search(rf"sharding failed: {shard} left on device", err), err
     assert not (tmp_path / "ds").exists()  # the unfinished dataset is gone: nothing trusts it
+
+
+def test_a_full_disk_while_writing_the_manifest_names_it(tmp_path, capsys, monkeypatch):
+    # A raw traceback ending in an OSError naming no file, exit 1, and .tmp-manifest.json,
+    # .work/ and the shards were left behind.
+    from workloads import manifest
+
+    real_open = open
+
+    def full_once_written(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        if "manifest" in str(path) and "w" in mode:
+            handle.write = lambda text: (_ for _ in ()).throw(
+                OSError(errno.ENOSPC, "No space left on device")
+            )
+        return handle
+
+    monkeypatch.setattr(manifest, "open", full_once_written, raising=False)
+    err = one_line_failure(tmp_path, capsys)
+    assert re.search(
+        r"sharding failed: cannot write the manifest \S+/manifest\.json: No space", err
+    )
+    assert not (tmp_path / "ds").exists()  # nothing half-made is left to trust or to fill

@@ -57,6 +57,7 @@ from workloads.packing import (
     finished_unit,
     record_sequences,
     tokenize_unit,
+    write_errors,
     write_shard,
 )
 from workloads.shard_pool import worker_pool
@@ -152,7 +153,8 @@ def shard_dataset(
                 raise DatasetError(f"{exc}{hint}") from None
             _write(splits, run, progress)
         manifest = _manifest(fingerprint, cfg, tokenizer, files, splits)
-        write_manifest(directory, manifest)
+        with write_errors(directory / MANIFEST, "the manifest"):  # a full disk, say
+            write_manifest(directory, manifest)
         record_shard_stats(directory, manifest)
         shutil.rmtree(work, ignore_errors=True)
     return ShardResult(str(directory), manifest, cached=False)

@@ -33,7 +33,14 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from workloads.documents import ReadOptions, document_place, iter_documents
 from workloads.manifest import SPLITS, TMP_PREFIX, file_sha256, start_writeback
-from workloads.sources import DatasetError, SourceFile, SourceStore, check_unchanged, open_source
+from workloads.sources import (
+    DatasetError,
+    DatasetWriteError,
+    SourceFile,
+    SourceStore,
+    check_unchanged,
+    open_source,
+)
 from workloads.tokens import EncodeError, TokenizerSpec, encode
 
 WORK_VERSION = 1  # bump when a unit's spill files change meaning, so stale ones are redone
@@ -179,7 +186,7 @@ def write_errors(path: Path, what: str = "the tokenize spill file") -> Iterator[
         yield
     except (OSError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise DatasetError(f"cannot write {what} {path}: {reason}") from None
+        raise DatasetWriteError(f"cannot write {what} {path}: {reason}") from None
 
 
 def prefetch(files: tuple[SourceFile, ...]) -> None:

@@ -16,6 +16,12 @@ class DatasetError(ValueError):
     """Bad input for sharding or reading a dataset; the message names the place at fault."""
 
 
+class DatasetWriteError(DatasetError):
+    """A dataset file could not be written (a full disk, no permission): the machine's
+    trouble, not the input's, so a pipeline run reports it as a failure (exit 1), not as
+    input to change (exit 2). The message names the file."""
+
+
 class StoredObject(Protocol):
     """One object of a listing (what `infra.storage.ObjectInfo` provides)."""
 
