@@ -126,14 +126,16 @@ def land_metrics(
     if error is None and run.final_step and not run.tokens_trained:
         # A finished run trained steps: a ledger that counts none read a damaged events.jsonl
         # (emptied, cut short), and would land zero goodput, wall time and cost over the
-        # run's real ones. The columns landed before stay.
+        # run's real ones. The columns landed before stay; with none, they are unknown.
+        stored = sink.read_run(run.run_id)
         logger.warning(
             "%s/events.jsonl records no step of this finished run (cut short or damaged): "
-            "its goodput and cost columns are kept as landed before",
+            "its goodput and cost columns are %s",
             plan.run_dir,
+            "kept as landed before" if stored else "left NULL (unknown), not 0",
         )
-        if (stored := sink.read_run(run.run_id)) is not None:
-            run = run.model_copy(update={k: getattr(stored, k) for k in LEDGER_COLUMNS})
+        kept = {k: getattr(stored, k) if stored else None for k in LEDGER_COLUMNS}
+        run = run.model_copy(update=kept)
     landed = sink.land(run, steps, evals)
     logger.info(
         "landed run %s (%s): %d step rows, %d eval rows in %s%s",

@@ -212,5 +212,10 @@ def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished
         path.write_bytes(b"")
         assert rerun(finished, metrics).status == "completed"
         assert sink.query(f"SELECT {columns} FROM runs WHERE run_id = ?", [NAME]) == before
+        # Nothing landed before (a fresh metrics file): unknown, not a measured 0 (a run of
+        # 200 steps on 8 chips landed goodput 0.0, 0 chip-hours and 0 tokens).
+        fresh = rerun(finished, tmp_path / "fresh.duckdb")
+        assert fresh.status == "completed" and fresh.final_step == 12
+        assert all(getattr(fresh, column) is None for column in LEDGER_COLUMNS)
     finally:
         path.write_bytes(whole)
