@@ -97,6 +97,21 @@ def shard_rows(r: dict) -> list[dict]:
             if r.get("ideal_speedup_1_to_2_on_these_cores")
             else []
         ),
+        *(
+            [
+                _row(
+                    "most 2 workers can give with the 1-worker run's serial part (Amdahl)",
+                    r["amdahl_speedup_1_to_2"],
+                    ("1-worker run, s", r["best_1_worker_s"]),
+                    (
+                        f"its serial {r['serial_s_of_best_1_worker_run']} s + the rest ÷ 2, s",
+                        round(r["best_1_worker_s"] / r["amdahl_speedup_1_to_2"], 3),
+                    ),
+                )
+            ]
+            if r.get("amdahl_speedup_1_to_2")
+            else []
+        ),
         _row(
             "loader ÷ training consumption (demo config)",
             r["loader_over_training"],

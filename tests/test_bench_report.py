@@ -36,6 +36,9 @@ RESULTS = {
         "writer_only_over_plain_warm": 0.35,
         "pinned_1_worker_s_per_core": [0.55, 0.4],
         "ideal_speedup_1_to_2_on_these_cores": 1.727,
+        "serial_s_of_best_1_worker_run": 0.1,
+        "best_1_worker_s": 0.5,
+        "amdahl_speedup_1_to_2": 1.667,
     },
     "workload": {
         "model": "small",
@@ -86,7 +89,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 18
+    assert len(rows) == 19
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -122,6 +125,9 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     assert writer["value"] == 0.35 and writer["met"] is None
     ideal = next(r for r in rows if r["figure"].startswith("ideal 1 → 2 worker speed-up"))
     assert ideal["numerator"]["measured"] == 0.55 and ideal["reference"]["measured"] == 0.4
+    amdahl = next(r for r in rows if "(Amdahl)" in r["figure"])  # 0.5 s of which 0.1 serial
+    assert amdahl["value"] == 1.667 and amdahl["met"] is None
+    assert amdahl["reference"]["measured"] == 0.3 and "serial 0.1 s" in amdahl["reference"]["what"]
 
 
 def test_reference_rows_read_as_references_in_markdown():
