@@ -20,6 +20,7 @@ from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
 )
 from tasks.plan import RunPlan
 from tasks.progress import loss_curve_link, write_loss_curve
+from tasks.run_owner import RunOwnerConflict, owner_problem
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
@@ -123,11 +124,15 @@ def land_metrics(
         )
     sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, lock_wait_s)
     sink.ensure_tables()
+    stored = sink.read_run(run.run_id)
+    # Checked at the start too (`check_run_owner`), but another storage root's run of this
+    # name may have landed since: two at once replaced and mixed each other's rows.
+    if (problem := owner_problem(config, plan, stored)) is not None:
+        raise RunOwnerConflict(f"not landed: {problem}; this run's results stay in its directory")
     if error is None and run.final_step and not run.tokens_trained:
         # A finished run trained steps: a ledger that counts none read a damaged events.jsonl
         # (emptied, cut short), and would land zero goodput, wall time and cost over the
         # run's real ones. The columns landed before stay; with none, they are unknown.
-        stored = sink.read_run(run.run_id)
         logger.warning(
             "%s/events.jsonl records no step of this finished run (cut short or damaged): "
             "its goodput and cost columns are %s",

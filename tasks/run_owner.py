@@ -49,14 +49,28 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     except Exception as exc:  # the check is advisory: landing reports a real problem
         log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
         return
-    if row is None or row.run_dir == plan.run_dir:
-        return
+    if (problem := owner_problem(config, plan, row)) is not None:
+        raise ConfigError(problem)
+
+
+class RunOwnerConflict(RuntimeError):
+    """At landing: the run name's row came from another run directory meanwhile (two runs
+    of one name in two storage roots at once); nothing of this run was landed."""
+
+
+def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
+    """Why `row`, the landed `runs` row of this run's name (or None), is not this run's to
+    replace, or None. A row that names no run directory (landed before the column
+    existed) is taken as this run's."""
+    if row is None or row.run_dir is None or row.run_dir == plan.run_dir:
+        return None
+    metrics = config.metrics
     where = (
         f"metrics.path {plan.metrics_path}"
         if metrics.sink == "duckdb"
         else f"metrics.dataset {metrics.dataset}"
     )
-    raise ConfigError(
+    return (
         f"run_name = {config.run_name!r}: a run of this name from another run directory, "
         f"{row.run_dir}, has landed in {where} ({row.status}, {row.final_step} steps); this "
         f"run's directory is {plan.run_dir}. Its rows would be replaced by and mixed with "

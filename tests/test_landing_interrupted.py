@@ -219,3 +219,29 @@ def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished
         assert all(getattr(fresh, column) is None for column in LEDGER_COLUMNS)
     finally:
         path.write_bytes(whole)
+
+
+def test_a_run_of_the_same_name_landed_meanwhile_from_another_root_is_not_replaced(
+    finished, tmp_path, monkeypatch
+):
+    # Two runs of one name in two storage roots at once, one metrics file: both passed the
+    # owner check at their start, and the second to land replaced the first's rows (a
+    # SIGTERMed one mixed them: its status and steps beside the other's eval loss).
+    from flows.pipeline import tpu_training_pipeline
+    from tasks import prepare
+    from tasks.run_owner import RunOwnerConflict
+
+    metrics = tmp_path / "m.duckdb"
+    rerun(finished, metrics)  # the other root's run lands first
+    sink = DuckDBSink(metrics)
+    row = "SELECT run_dir, status, final_step, eval_loss FROM runs WHERE run_id = ?"
+    before, steps = sink.query(row, [NAME]), sink.query(STEP_COUNT, [NAME])
+    monkeypatch.setattr(prepare, "check_run_owner", lambda *a, **k: None)  # it started earlier
+    other = tiny_config(tmp_path / "b", f"run_name={NAME}", f"metrics.path={metrics}")
+    with pytest.raises(RunOwnerConflict, match="not landed: run_name = 'landed': a run of"):
+        tpu_training_pipeline(config=other)
+    assert sink.query(row, [NAME]) == before and sink.query(STEP_COUNT, [NAME]) == steps
+    assert (tmp_path / "b" / "runs" / NAME / "eval.json").exists()  # its results are kept
+
+
+STEP_COUNT = "SELECT count(*) FROM step_metrics WHERE run_id = ?"
