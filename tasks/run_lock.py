@@ -4,11 +4,14 @@ before it provisions anything.
 Without it, two orchestrators of one run name shared the slice name: the second deleted the
 first one's live slice while creating its own, the first then watched the second's workload
 as its own, and both wrote the same attempt numbers into the run's ledger and landed its
-`runs` row. The lock is an flock on a file under the local state root (the storage root, or
-`./.tpupipe` when that is in GCS), so the kernel releases it when its holder dies, however
-it dies: a killed orchestrator never blocks the rerun that resumes its run. It guards the
-orchestrators of one machine; orchestrators of one `gs://` run on two machines are not
-kept apart.
+`runs` row. The lock is an flock on a file, so the kernel releases it when its holder dies,
+however it dies: a killed orchestrator never blocks the rerun that resumes its run. For a
+local storage root the file is under it; for a `gs://` one, under this user's cache
+(`~/.cache/tpupipe/locks`, or `$XDG_CACHE_HOME`), whatever directory the orchestrator
+starts in: under `./.tpupipe`, two orchestrators of one run started from two directories
+were not kept apart, and the second took the first's run over (its workload stopped on the
+lost lease, and the first failed). It guards the orchestrators of one machine;
+orchestrators of one `gs://` run on two machines are not kept apart.
 """
 
 from __future__ import annotations
@@ -34,7 +37,17 @@ class RunInUse(RuntimeError):
 
 def lock_path(plan: RunPlan) -> Path:
     """The lock file of the run `plan` names."""
-    return Path(plan.slices_root) / "locks" / f"{plan.run_name}.lock"
+    return locks_dir(plan) / f"{plan.run_name}.lock"
+
+
+def locks_dir(plan: RunPlan) -> Path:
+    """Where the locks of `plan`'s runs are (see the module docstring). One directory for
+    every `gs://` root: a run name is its slice's name too (`tpupipe-<run_name>`), which
+    one project's zone holds once, whichever bucket the run writes to."""
+    if "://" not in plan.storage_root:
+        return Path(plan.slices_root) / "locks"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tpupipe" / "locks"
 
 
 @contextmanager
@@ -61,7 +74,7 @@ def sweep_held(plan: RunPlan, sweep_id: str) -> Iterator[None]:
     Raises:
         RunInUse: naming the sweep and its holder.
     """
-    path = Path(plan.slices_root) / "locks" / f"sweep-{sweep_id}.lock"
+    path = locks_dir(plan) / f"sweep-{sweep_id}.lock"
     with _held(path, f"sweep {sweep_id!r}", "sweep_name", plan.flow_run_id):
         yield
 

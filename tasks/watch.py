@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from etils import epath
 
 from infra.slices import SliceError, SliceState
+from workloads.events import SUPERSEDED_EXIT
 from workloads.rundir import RunDir
 from workloads.train import PREEMPTED_EXIT
 
@@ -166,7 +167,9 @@ def watch_slice(
         final = {}
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
-    if status.exit_code not in (0, PREEMPTED_EXIT, None) and not final.get("error"):
+    if status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None) and not final.get(
+        "error"
+    ):
         final = {**final, "error": _last_log_line(run_dir, name)}
     return _ended(name, status.exit_code, final, clock() - started)
 
@@ -211,6 +214,12 @@ def _ended(name: str, code: int | None, final: dict, seconds: float) -> TrainOut
         return TrainOutcome(name, 0, final.get("step"), seconds)
     if code == PREEMPTED_EXIT:
         raise WorkloadPreempted(f"workload on {name} saved step {final.get('step')} and exited")
+    if code == SUPERSEDED_EXIT:
+        raise WorkloadFailed(
+            f"workload on slice {name} stopped without writing: a newer attempt took the run "
+            "directory's lease, so another orchestrator is running this run (from another "
+            "machine?); this one stops and leaves the run to it"
+        )
     if code is None or code in (-signal.SIGKILL, -signal.SIGTERM):
         # Killed from outside, or the exit code is unknown: the platform took the slice.
         how = f"signal {-code}" if code else "no exit code"

@@ -71,3 +71,21 @@ def test_tpupipe_run_of_a_run_being_run_exits_2_before_provisioning(
     assert build_provider("local", str(tmp_path)).list() == []  # nothing was created
     assert not (tmp_path / "runs" / "busy" / "config.json").exists()  # nor sharded for it
     assert not (tmp_path / "metrics.duckdb").exists()  # and no `runs` row was landed
+
+
+def test_a_gs_run_is_held_whatever_directory_its_orchestrator_started_in(tmp_path, monkeypatch):
+    # Its lock was under ./.tpupipe: started from two directories, two orchestrators ran
+    # one gs:// run at once, the second took the first's run over and the first failed.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    plans = []
+    for cwd in ("a", "b"):
+        (tmp_path / cwd).mkdir()
+        monkeypatch.chdir(tmp_path / cwd)
+        plans.append(
+            plan_run(tiny_config(tmp_path, "storage.root=gs://bucket/root", "run_name=gx"))
+        )
+    assert plans[0].slices_root != plans[1].slices_root  # each its own ./.tpupipe
+    busy = "run 'gx' is being run by another orchestrator"
+    with run_held(plans[0]), pytest.raises(RunInUse, match=busy), run_held(plans[1]):
+        pass
+    assert lock_path(plans[1]) == tmp_path / "cache" / "tpupipe" / "locks" / "gx.lock"

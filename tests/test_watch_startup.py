@@ -192,3 +192,13 @@ def test_this_attempts_error_is_reported_and_without_one_or_a_log_the_log_is_nam
     ours = {"phase": "failed", "attempt": 2, "time": 1000.0, "error": "ValueError: bad batch"}
     assert "ValueError: bad batch" in _failed_watch(tmp_path, ours, "OSError: not this\n")
     assert _failed_watch(tmp_path / "x", None, None).endswith("see the slice log")
+
+
+def test_a_workload_that_lost_its_lease_says_another_orchestrator_runs_the_run(tmp_path):
+    # It read "exited with code 76: see the slice log".
+    clock = Clock()
+    run_dir = Heartbeats(lambda now: {"phase": "training", "attempt": 2, "time": now})
+    run_dir.clock, run_dir.path = clock, tmp_path
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    with pytest.raises(WorkloadFailed, match="another orchestrator is running this run"):
+        watch_slice(ExitsWith(76), "s", run_dir, settings, print, None, clock, clock.sleep, 2)
