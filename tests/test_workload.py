@@ -231,3 +231,20 @@ def test_the_heartbeat_beats_between_rare_log_steps(tmp_path):
     assert run.wait(attempt) == 0
     assert run.status()["phase"] == "finished"
     assert len(beats) > 3 and max(np.diff(beats)) < 1.0, np.diff(beats)
+
+
+def test_empty_compilation_cache_entries_a_full_disk_left_are_deleted(tmp_path, caplog):
+    # JAX writes an entry in place and skips a key whose file exists: 25 entries a full
+    # disk left empty made every later run warn "truncated stream" and compile again.
+    from workloads.perf import drop_empty_cache_entries
+
+    (tmp_path / "jit_step-abc-cache").write_bytes(b"")
+    (tmp_path / "jit_step-abc-atime").write_bytes(b"")  # not an entry: left alone
+    (tmp_path / "jit_loss-def-cache").write_bytes(b"\x28\xb5\x2f\xfd")
+    drop_empty_cache_entries(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "jit_loss-def-cache",
+        "jit_step-abc-atime",
+    ]
+    assert "jit_step-abc-cache" in caplog.text
+    drop_empty_cache_entries(str(tmp_path / "none-yet"))  # no cache yet: nothing to do

@@ -8,7 +8,10 @@ peak is what one device's matmul reaches, whatever the device count.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from workloads.config import ModelConfig, layer_matmul_params
+
+log = logging.getLogger(__name__)
 
 # Peak dense bf16 FLOP/s per chip, from Cloud TPU's published system specifications
 # (cloud.google.com/tpu/docs/system-architecture-tpu-vm, read 2026-11).
@@ -136,3 +141,31 @@ class CompileCounter:
             self.hits += 1
         elif event == "/jax/compilation_cache/cache_misses":
             self.misses += 1
+
+
+def configure_compile_cache(cache_dir: str | None) -> None:
+    """Share compiled programs between attempts: a resumed attempt skips recompiling."""
+    if not cache_dir:
+        return
+    drop_empty_cache_entries(cache_dir)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def drop_empty_cache_entries(cache_dir: str) -> None:
+    """Delete the empty entries of a local compilation cache. JAX writes an entry in place
+    and never writes one whose file exists: an entry a full disk left empty made every
+    later run, of any run name, warn and compile that program again, for good. (A GCS
+    object is written whole or not at all.)"""
+    if "://" in cache_dir:
+        return
+    try:
+        entries = list(os.scandir(cache_dir))
+    except OSError:
+        return  # none yet
+    for entry in entries:
+        with contextlib.suppress(OSError):  # another host or run may be at it too
+            if entry.name.endswith("-cache") and entry.stat().st_size == 0:
+                os.unlink(entry.path)
+                log.warning("deleted the empty compilation cache entry %s", entry.path)

@@ -30,7 +30,12 @@ from workloads.config_file import ConfigError, load_workload_config
 from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
 from workloads.hosts import PreemptionNotice, init_distributed
-from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
+from workloads.perf import (  # configure_compile_cache: re-exported
+    CompileCounter,
+    configure_compile_cache,
+    model_flops_per_token,
+    slice_peak,
+)
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
 from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
@@ -48,15 +53,6 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again", distinct from a crash
 log = logging.getLogger("workloads.train")
 
 __all__ = ["PREEMPTED_EXIT", "PreemptionNotice", "init_distributed", "main", "run"]
-
-
-def configure_compile_cache(cache_dir: str | None) -> None:
-    """Share compiled programs between attempts: a resumed attempt skips recompiling."""
-    if not cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 class _Reporter:
