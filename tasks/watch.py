@@ -103,7 +103,9 @@ def watch_slice(
     stopping = STOPPING.get()
     while True:
         if stopping is not None and stopping.is_set():
-            at = "before its first step" if last_step is None else f"at step {last_step}"
+            # The heartbeat's step: the workload may have gone on a step or two before it
+            # stopped, as the landed row's final step says.
+            at = "before its first step" if last_step is None else f"after step {last_step}"
             raise WatchStopped(f"stopped {at}: the sweep was interrupted")
         try:
             status = provider.status(name)
