@@ -427,3 +427,31 @@ def test_a_read_that_fails_on_the_checkpoint_s_bytes_still_quarantines_it(
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
     (moved,) = (tmp_path / "quarantine").iterdir()
     assert moved.name.startswith("10-")
+
+
+def test_hosts_agree_to_stop_when_any_host_could_not_read_for_no_fault_of_the_checkpoint(
+    monkeypatch,
+):
+    # Host 0 found damage and would quarantine the step and go on to the next, while host 1,
+    # refused its read (no permission, storage unavailable), stopped: host 0 then waited.
+    from workloads import ckpt_restore
+
+    def hosts_say(*others):
+        def allgather(mine):
+            rows = [
+                mine,
+                *(np.frombuffer(o.encode().ljust(len(mine), b"\0"), np.uint8) for o in others),
+            ]
+            return np.stack(rows)
+
+        monkeypatch.setattr(ckpt_restore.jax, "process_count", lambda: 1 + len(others))
+        monkeypatch.setattr(ckpt_restore.multihost_utils, "process_allgather", allgather)
+
+    refused = ckpt_restore.UNREADABLE + "checkpoint step 10 could not be read: PermissionError"
+    hosts_say(refused)
+    assert ckpt_restore._agreed_problem("does not restore: ValueError: cut") == refused
+    assert ckpt_restore._agreed_problem(None) == refused
+    hosts_say("does not restore: ValueError: cut")
+    assert ckpt_restore._agreed_problem(None) == "does not restore on host 1: ValueError: cut"
+    hosts_say("")
+    assert ckpt_restore._agreed_problem(None) is None

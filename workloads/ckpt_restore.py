@@ -171,8 +171,8 @@ def restore_newest_valid(
                 problem = UNREADABLE + str(unreadable(f"step {step}", exc))
             log.warning("checkpoint step %d %s", step, problem)
         problem = _agreed_problem(problem)
-        if problem is not None and UNREADABLE in problem:  # every host stops, none moves it
-            raise CheckpointUnreadable(problem.replace(UNREADABLE, "", 1))
+        if problem is not None and problem.startswith(UNREADABLE):  # every host stops alike
+            raise CheckpointUnreadable(problem.removeprefix(UNREADABLE))
         if problem is None:  # every host holds its shards: collective checks are safe
             problem = state_problem(
                 pure_dicts(restored), meta, config_hash, step, data_state, data_problem
@@ -189,7 +189,9 @@ def restore_newest_valid(
 
 
 def _agreed_problem(problem: str | None) -> str | None:
-    """This host's restore problem or, if only other hosts' restores failed, theirs.
+    """This host's restore problem or, if only other hosts' restores failed, theirs; but
+    the first `UNREADABLE` one if any host's is, so that every host stops alike (one host
+    quarantining the step and going on while another stopped left the first waiting).
 
     Every host calls it once per step tried, whatever happened on it: the hosts exchange
     their problems (the first `REASON_BYTES` of each) in one collective.
@@ -200,6 +202,8 @@ def _agreed_problem(problem: str | None) -> str | None:
     every = multihost_utils.process_allgather(np.frombuffer(mine, np.uint8))
     reasons = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
     failed = [(host, reason) for host, reason in enumerate(reasons) if reason]
+    if stop := next((r for _, r in failed if r.startswith(UNREADABLE)), None):
+        return stop
     if problem is None and failed:
         host, reason = failed[0]
         problem = reason.replace("does not restore:", f"does not restore on host {host}:", 1)
