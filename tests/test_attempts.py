@@ -66,8 +66,8 @@ def test_the_time_between_invocations_is_not_wall_time(kind):
         "startup": 3 + 3 * 2,  # attempt 1 restores nothing; the others restore for 1 s
         "restore": 3 * 1.0,
         "productive": 4 * 9,  # the first step done at +5, the tenth at +14
-        "lost": 3 * 1,  # saved, then 1 s until the orchestrator saw the attempt end
-        "teardown": 4 * 1 + 1,  # deletions, and the finished run's exit
+        "lost": 0,  # each preempted attempt saved the step it stopped at: nothing redone
+        "teardown": 4 * 1 + 1 + 3 * 1,  # deletions, the finished run's and SIGTERMs' exits
         "idle": 2 * 4,  # between the attempts of each invocation; not the 964 s between
     }
     assert sum(result.seconds.values()) == pytest.approx(result.wall_s)
