@@ -24,7 +24,8 @@ from tasks.pricing import price_for
 from tasks.run_lock import sweep_held
 from tasks.sweep_deployed import ensure_trial_deployment
 from tasks.sweep_models import SweepError, SweepPlan
-from tasks.sweep_space import SweepConfig, Trial, build_trials
+from tasks.sweep_space import SweepConfig, Trial
+from tasks.sweep_trials import build_trials
 from workloads.config_file import ConfigError
 from workloads.config_memory import host_memory_bytes
 

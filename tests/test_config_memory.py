@@ -86,7 +86,8 @@ def test_the_flows_validate_stage_refuses_it_too(tmp_path, monkeypatch):
 
 def test_a_sweep_trial_too_big_is_named_before_any_trial_runs(tmp_path, monkeypatch):
     from tasks import sweep_plan
-    from tasks.sweep_space import SearchSpace, SweepConfig, build_trials
+    from tasks.sweep_space import SearchSpace, SweepConfig
+    from tasks.sweep_trials import build_trials
 
     monkeypatch.setattr(sweep_plan, "host_memory_bytes", _host())
     grid = {"model.n_layers": [1, 8], "model.d_model": [4096], "model.n_heads": [32]}

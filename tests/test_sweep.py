@@ -20,7 +20,8 @@ from tasks.sweep_results import (
     summarize,
     sweep_rows,
 )
-from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, build_trials, expand_space
+from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, expand_space
+from tasks.sweep_trials import build_trials
 from tests.helpers import tiny_config
 from workloads.config_file import ConfigError
 

@@ -14,7 +14,8 @@ def _space_error(space: dict) -> str:
     """The error a sweep of configs/tiny.yaml over `space` stops with before any trial."""
     from pydantic import ValidationError
 
-    from tasks.sweep_space import SweepConfig, build_trials
+    from tasks.sweep_space import SweepConfig
+    from tasks.sweep_trials import build_trials
 
     with pytest.raises((ValidationError, ConfigError)) as err:
         build_trials(SweepConfig(base=load_config(REPO / "configs/tiny.yaml"), space=space), "s")
@@ -97,7 +98,7 @@ def test_a_sweep_rerun_that_would_train_other_configs_is_refused_before_any_tria
     then replaced the finished sweep's `sweeps` rows with failed ones."""
     from tasks.plan import plan_run, write_workload_config
     from tasks.sweep import check_trials
-    from tasks.sweep_space import build_trials
+    from tasks.sweep_trials import build_trials
 
     for trial in build_trials(_sweep_of(tmp_path, {"train.learning_rate": [0.1, 0.2]}), "s"):
         write_workload_config(trial.config, plan_run(trial.config), str(tmp_path / "ds"))
@@ -113,7 +114,7 @@ def test_every_trials_inputs_are_checked_as_validate_checks_them_before_any_tria
     """A trial whose source matched no file failed only once the trials before it had
     trained; a missing tokenizer or price table likewise."""
     from tasks.sweep import check_trials
-    from tasks.sweep_space import build_trials
+    from tasks.sweep_trials import build_trials
 
     nothing = str(tmp_path / "nodata" / "*.txt")
     grid = {
@@ -136,7 +137,7 @@ def test_every_trials_inputs_are_checked_as_validate_checks_them_before_any_tria
 def test_trials_of_one_corpus_list_it_once(tmp_path, monkeypatch):
     from tasks import prepare
     from tasks.sweep import check_trials
-    from tasks.sweep_space import build_trials
+    from tasks.sweep_trials import build_trials
 
     calls = []
     real = prepare.data.resolve_dataset

@@ -96,7 +96,7 @@ class PipelineConfig(_Strict):
         return value
 
     # The mesh axis given as -1, before it was resolved: a sweep varying slice.devices
-    # resolves it again per trial (`tasks.sweep_space.build_trials`).
+    # resolves it again per trial (`tasks.sweep_trials.build_trials`).
     _mesh_fill: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
