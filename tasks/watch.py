@@ -131,8 +131,9 @@ def watch_slice(
             sleep(settings.poll_s)
             continue
         heartbeat = run_dir.read_status() or {}
-        heard = heard or _ours(heartbeat, attempt, started)
-        if heard and _ours(heartbeat, attempt, started):
+        ours = _ours(heartbeat, attempt, started)
+        heard = heard or ours
+        if ours:
             _log_quarantined(heartbeat, quarantined, log)
         step = heartbeat.get("step")
         if step != last_step and step is not None:
@@ -189,7 +190,10 @@ def _last_log_line(run_dir: RunDir, name: str) -> str | None:
     """The last line of the slice's log (host 0's, in the run directory), saying so: the
     error of a workload that could not write its heartbeat (a full disk), often its
     traceback's last line. None when there is no such log (gcp slices log elsewhere)."""
-    path = epath.Path(getattr(run_dir, "path", "")) / "logs" / f"{name}.log"
+    root = getattr(run_dir, "path", None)  # a stand-in without a directory has no log
+    if root is None:
+        return None
+    path = epath.Path(root) / "logs" / f"{name}.log"
     try:
         with path.open("rb") as f:
             size = f.seek(0, 2)
