@@ -35,7 +35,7 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
     says failed whenever the run does, and keeps the results landed before."""
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
-    with run_held(plan):  # RunInUse if another orchestrator runs it: nothing spent, no row
+    with run_held(plan, config):  # RunInUse if another orchestrator runs it: nothing spent, no row
         verified = result = None
         try:
             config_path = shard_dataset(config, plan)

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.plan import RunPlan
+from workloads.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +52,22 @@ def locks_dir(plan: RunPlan) -> Path:
 
 
 @contextmanager
-def run_held(plan: RunPlan) -> Iterator[None]:
-    """Hold the run's lock while the body runs; the file records who holds it.
+def run_held(plan: RunPlan, config: PipelineConfig) -> Iterator[None]:
+    """Hold the run's lock while the body runs; the lock records who holds it.
 
     Raises:
         RunInUse: naming the holder (pid, host, flow run, since when), at once: a run can
             take hours, so waiting for it would only hide the mistake.
+        infra.gcp.gcs_lease.LeaseError: a `gs://` run's lock object could not be written.
     """
-    with _held(lock_path(plan), f"run {plan.run_name!r}", "run_name", plan.flow_run_id):
+    with _held(plan, config, f"{plan.run_name}.lock", f"run {plan.run_name!r}", "run_name"):
         yield
 
 
 @contextmanager
-def sweep_held(plan: RunPlan, sweep_id: str) -> Iterator[None]:
-    """Hold sweep `sweep_id`'s lock, next to the run locks of `plan` (one of its trials).
+def sweep_held(plan: RunPlan, sweep_id: str, config: PipelineConfig) -> Iterator[None]:
+    """Hold sweep `sweep_id`'s lock, next to the run locks of `plan` (one of its trials,
+    whose config is `config`).
 
     Two sweeps of one name at once each found the other's trial held (`RunInUse`),
     recorded it failed, and the last to land replaced the `sweeps` rows: a trial that
@@ -74,13 +77,42 @@ def sweep_held(plan: RunPlan, sweep_id: str) -> Iterator[None]:
     Raises:
         RunInUse: naming the sweep and its holder.
     """
-    path = locks_dir(plan) / f"sweep-{sweep_id}.lock"
-    with _held(path, f"sweep {sweep_id!r}", "sweep_name", plan.flow_run_id):
+    with _held(plan, config, f"sweep-{sweep_id}.lock", f"sweep {sweep_id!r}", "sweep_name"):
         yield
 
 
 @contextmanager
-def _held(path: Path, what: str, field: str, flow_run_id: str | None) -> Iterator[None]:
+def _held_in_bucket(
+    plan: RunPlan, config: PipelineConfig, name: str, what: str, field: str, owner: dict
+) -> Iterator[None]:
+    """For a `gs://` storage root, also hold the lock object `<root>/locks/<name>`."""
+    if not plan.storage_root.startswith("gs://"):
+        yield
+        return
+    from infra.gcp.gcs_lease import GcsLease, LeaseHeld, describe
+    from tasks.remote import storage_client
+
+    lease = GcsLease(storage_client(config), f"{plan.storage_root}/locks/{name}", owner)
+    try:
+        lease.acquire()
+    except LeaseHeld as held:
+        raise RunInUse(
+            f"{what} is being run by another orchestrator ({describe(held.holder)}; its lock "
+            f"{held.uri} was renewed {held.age_s:.0f} s ago and is stale after "
+            f"{held.ttl_s:.0f} s); wait for it to end, or choose another {field}"
+        ) from None
+    try:
+        yield
+    finally:
+        lease.release()
+
+
+@contextmanager
+def _held(
+    plan: RunPlan, config: PipelineConfig, name: str, what: str, field: str
+) -> Iterator[None]:
+    """This machine's lock file `name` (an flock), then for a `gs://` root the bucket's."""
+    path = locks_dir(plan) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -94,7 +126,7 @@ def _held(path: Path, what: str, field: str, flow_run_id: str | None) -> Iterato
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "flow_run_id": flow_run_id,
+            "flow_run_id": plan.flow_run_id,
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
         try:  # who holds it, for the message above: no reason to stop the run on a full disk
@@ -102,7 +134,8 @@ def _held(path: Path, what: str, field: str, flow_run_id: str | None) -> Iterato
             os.pwrite(fd, json.dumps(owner).encode(), 0)
         except OSError as exc:
             log.warning("could not record this orchestrator in %s: %s", path, exc)
-        yield
+        with _held_in_bucket(plan, config, name, what, field, owner):
+            yield
     finally:
         os.close(fd)  # releases the flock
 

@@ -130,14 +130,15 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
 
 @contextmanager
 def sweep_lock(plan: SweepPlan) -> Iterator[None]:
-    """One orchestrator per sweep name on this machine (`tasks.run_lock.sweep_held`): a
-    second sweep of a name that is running stops at once, before any trial.
+    """One orchestrator per sweep name (`tasks.run_lock.sweep_held`: on this machine, and
+    across machines for a `gs://` storage root): a second sweep of a name that is running
+    stops at once, before any trial.
 
     Raises:
         RunInUse: naming the sweep and the orchestrator running it.
     """
     first = plan_run(plan.trials[0].config).model_copy(update={"flow_run_id": plan.flow_run_id})
-    with sweep_held(first, plan.sweep_id):
+    with sweep_held(first, plan.sweep_id, plan.trials[0].config):
         yield
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from infra.slices import build_provider
+from tasks import run_lock
 from tasks.plan import plan_run
 from tasks.run_lock import RunInUse, lock_path, run_held
 from tests.helpers import REPO, tiny_config
@@ -20,23 +22,26 @@ from tasks.plan import plan_run
 from tasks.run_lock import run_held
 from tests.helpers import tiny_config
 
-with run_held(plan_run(tiny_config(sys.argv[1], "run_name=busy"))):
+config = tiny_config(sys.argv[1], "run_name=busy")
+with run_held(plan_run(config), config):
     print("held", flush=True)
     time.sleep(120)
 """
 
 
 def test_a_held_run_refuses_a_second_orchestrator_and_names_the_first(tmp_path):
-    plan = plan_run(tiny_config(tmp_path, "run_name=busy"))
-    with run_held(plan):
+    config = tiny_config(tmp_path, "run_name=busy")
+    plan = plan_run(config)
+    with run_held(plan, config):
         with (
             pytest.raises(RunInUse, match=rf"run 'busy' is .*pid {os.getpid()} on "),
-            run_held(plan),
+            run_held(plan, config),
         ):
             pass
-        with run_held(plan_run(tiny_config(tmp_path, "run_name=other"))):
+        other = tiny_config(tmp_path, "run_name=other")
+        with run_held(plan_run(other), other):
             pass  # another run name is another lock
-    with run_held(plan):  # released on exit
+    with run_held(plan, config):  # released on exit
         pass
 
 
@@ -46,14 +51,15 @@ def test_a_killed_holder_never_blocks_the_rerun(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        plan = plan_run(tiny_config(tmp_path, "run_name=busy"))
-        with pytest.raises(RunInUse, match=f"pid {holder.pid} "), run_held(plan):
+        config = tiny_config(tmp_path, "run_name=busy")
+        plan = plan_run(config)
+        with pytest.raises(RunInUse, match=f"pid {holder.pid} "), run_held(plan, config):
             pass
     finally:
         holder.send_signal(signal.SIGKILL)  # no clean-up: the kernel drops the flock
         holder.wait()
         holder.stdout.close()
-    with run_held(plan):
+    with run_held(plan, config):
         assert lock_path(plan).exists()
 
 
@@ -63,7 +69,8 @@ def test_tpupipe_run_of_a_run_being_run_exits_2_before_provisioning(
     from flows.cli import main
 
     config = REPO / "configs" / "tiny.yaml"
-    with run_held(plan_run(tiny_config(tmp_path, "run_name=busy"))):
+    held = tiny_config(tmp_path, "run_name=busy")
+    with run_held(plan_run(held), held):
         args = ["--set", f"storage.root={tmp_path}", "--set", "run_name=busy"]
         code = main(["run", "--config", str(config), *args])
     assert code == 2
@@ -76,16 +83,22 @@ def test_tpupipe_run_of_a_run_being_run_exits_2_before_provisioning(
 def test_a_gs_run_is_held_whatever_directory_its_orchestrator_started_in(tmp_path, monkeypatch):
     # Its lock was under ./.tpupipe: started from two directories, two orchestrators ran
     # one gs:// run at once, the second took the first's run over and the first failed.
+    # The lock object in the bucket is tried against the emulator (tests/emulator/
+    # test_gcs_lock.py); here only this machine's lock, which is taken first.
+    monkeypatch.setattr(run_lock, "_held_in_bucket", lambda *args: contextlib.nullcontext())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    plans = []
+    configs, plans = [], []
     for cwd in ("a", "b"):
         (tmp_path / cwd).mkdir()
         monkeypatch.chdir(tmp_path / cwd)
-        plans.append(
-            plan_run(tiny_config(tmp_path, "storage.root=gs://bucket/root", "run_name=gx"))
-        )
+        configs.append(tiny_config(tmp_path, "storage.root=gs://bucket/root", "run_name=gx"))
+        plans.append(plan_run(configs[-1]))  # its slices_root: under this directory
     assert plans[0].slices_root != plans[1].slices_root  # each its own ./.tpupipe
     busy = "run 'gx' is being run by another orchestrator"
-    with run_held(plans[0]), pytest.raises(RunInUse, match=busy), run_held(plans[1]):
+    with (
+        run_held(plans[0], configs[0]),
+        pytest.raises(RunInUse, match=busy),
+        run_held(plans[1], configs[1]),
+    ):
         pass
     assert lock_path(plans[1]) == tmp_path / "cache" / "tpupipe" / "locks" / "gx.lock"

@@ -339,8 +339,8 @@ def test_a_second_sweep_of_a_running_sweep_name_stops_before_any_trial(tmp_path,
     )
     first = build_trials(config, "busy")[0].config
     busy = pytest.raises(RunInUse, match=r"sweep 'busy' is being run by another orchestrator")
-    with sweep_held(plan_run(first), "busy"), busy:  # as another orchestrator would hold it
+    with sweep_held(plan_run(first), "busy", first), busy:  # as another orchestrator would hold it
         sweep(config=config)
     assert not (tmp_path / "runs").exists()  # no trial started
-    with sweep_held(plan_run(first), "other"):  # another sweep name: no conflict
+    with sweep_held(plan_run(first), "other", first):  # another sweep name: no conflict
         pass

@@ -58,6 +58,8 @@ def test_the_pipeline_flow_runs_on_the_gcp_backends(
     names = {b.name for b in gcs_client.list_blobs(bucket, prefix="flow/datasets/")}
     assert any(n.endswith("/manifest.json") for n in names)
     assert any(n.endswith(".arrayrecord") for n in names)
+    # The run's lock object (one orchestrator per gs:// run across machines) was released.
+    assert list(gcs_client.list_blobs(bucket, prefix="flow/locks/")) == []
     # The slice is gone and the node was created exactly once.
     assert fake.nodes == {} and sum(fake.creates.values()) == 1
     sink = BigQuerySink(bigquery_client("test-project"), "flow")
