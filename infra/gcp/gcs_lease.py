@@ -135,7 +135,9 @@ class GcsLease:
         behind is stale after `ttl_s`, and at once for a rerun on this host)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # A renewal stuck in Cloud Storage's retries must not hold up the run's end; one
+            # that lands after the delete below finds the lock gone and writes nothing.
+            self._thread.join(timeout=10)
         if self.generation is None or self.lost:
             return
         try:
@@ -151,6 +153,8 @@ class GcsLease:
             try:
                 self.generation = self._write(body, self.generation)
             except gexc.PreconditionFailed:
+                if self._stop.is_set():
+                    return  # released meanwhile: the lock is gone, not taken
                 holder, generation = self._peek()
                 if holder.get("token") == self.owner["token"]:
                     self.generation = generation  # our renewal, answered twice
