@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tasks.plan import RunPlan
+from tasks.watch import WatchStopped, stop_if_requested, stop_requested
 from workloads import checkpoint, config_file, evaluate
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.rundir import CONFIG
@@ -23,7 +24,12 @@ def load_workload_config(plan: RunPlan) -> WorkloadConfig:
 
 @task(name="verify-checkpoint", cache_policy=NONE)
 def verify_checkpoint(config: PipelineConfig, plan: RunPlan) -> checkpoint.VerifiedCheckpoint:
-    """The newest checkpoint must be the final step, from this config, and all finite."""
+    """The newest checkpoint must be the final step, from this config, and all finite.
+
+    Raises:
+        WatchStopped: the run's sweep is being stopped.
+    """
+    stop_if_requested("before checkpoint verification")
     verified = checkpoint.verify_checkpoint(plan.run_dir, config.train.steps, plan.config_hash)
     get_run_logger().info(
         "checkpoint step %d verified: %d arrays finite, params sha256 %s",
@@ -68,11 +74,15 @@ def evaluate_checkpoint(plan: RunPlan, step: int) -> evaluate.EvalResult:
 
     Raises:
         EvaluationError: the dataset, accepted before training, cannot be read now.
+        WatchStopped: the run's sweep is being stopped (also between eval batches).
     """
+    stop_if_requested("before evaluation")
     try:
-        result = evaluate.evaluate(load_workload_config(plan), step)
+        result = evaluate.evaluate(load_workload_config(plan), step, stop=stop_requested)
     except DatasetError as exc:
         raise EvaluationError(f"cannot evaluate step {step}: {exc}") from exc
+    except evaluate.EvaluationStopped as exc:
+        raise WatchStopped(f"{exc} of step {step}: the sweep was interrupted") from None
     evaluate.write_result(plan.run_dir, result)
     get_run_logger().info(
         "eval at step %d: loss %.4f, %.4f bits/byte over %d tokens",

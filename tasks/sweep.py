@@ -219,7 +219,8 @@ def run_trials(
             their slices (`tasks.watch.STOPPING`), so their pipelines delete them and fail.
             Deployed trials' runs are cancelled (`cancel_trial_runs`). Before, the threads
             went on starting and running every trial, and the sweep ended minutes later
-            with nothing recorded. A second signal stops the wait.
+            with nothing recorded. A second signal stops the wait: the trials under way
+            are then recorded as stopping (as `on_interrupt` is given them).
 
     `on_interrupt` is given every trial's result as known at the interruption, before the
     wait: a worker cancelling a deployed sweep kills it 30 s after its SIGTERM, which
@@ -243,7 +244,14 @@ def run_trials(
             )
             if on_interrupt is not None:
                 on_interrupt(queue.so_far(plan.trials))
-            results = _gather(futures, _canceller(plan, exc))
+            try:
+                results = _gather(futures, _canceller(plan, exc))
+            except BaseException:  # a second signal: stop waiting, land what is known now
+                get_run_logger().warning(
+                    "sweep interrupted again: not waiting for the trials under way (their "
+                    "rows say stopping); they still delete their slices before this ends"
+                )
+                raise SweepInterrupted(queue.so_far(plan.trials), exc) from exc
             ran, now = {r.index for r in results}, time.time()
             results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]
             raise SweepInterrupted(sorted(results, key=lambda r: r.index), exc) from exc

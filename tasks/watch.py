@@ -45,14 +45,29 @@ class WorkloadNeverStarted(WorkloadPreempted):
 
 
 class WatchStopped(RuntimeError):
-    """The watch was told to stop (`STOPPING`): the attempt fails, never retried, and its
-    slice is deleted as after any failure."""
+    """The run was told to stop (`STOPPING`): while watching its slice, the attempt fails,
+    never retried, and its slice is deleted as after any failure; while verifying or
+    evaluating, the run fails."""
 
 
 # Set by a sweep being stopped (Ctrl-C, SIGTERM: see `tasks.sweep.run_trials`). Its trials
 # watch their slices in its task threads, where no signal arrives; Prefect copies the
 # context into those threads, so this reaches every watch of that sweep and no other.
 STOPPING: ContextVar[threading.Event | None] = ContextVar("tpupipe_stopping", default=None)
+
+
+def stop_requested() -> bool:
+    """Whether this run's sweep is being stopped (`STOPPING`)."""
+    stopping = STOPPING.get()
+    return stopping is not None and stopping.is_set()
+
+
+def stop_if_requested(when: str) -> None:
+    """Raise `WatchStopped` ("stopped `when`: ...") if this run's sweep is being stopped:
+    the run's stages after training check it too, or a stopped sweep waited minutes for
+    its trials' evaluations."""
+    if stop_requested():
+        raise WatchStopped(f"stopped {when}: the sweep was interrupted")
 
 
 @dataclass(frozen=True)
@@ -100,13 +115,12 @@ def watch_slice(
     started = clock()
     last_step, suspect_since, failing_since, heard = None, None, None, False
     quarantined: set[int] = set()  # steps whose quarantine was logged
-    stopping = STOPPING.get()
     while True:
-        if stopping is not None and stopping.is_set():
-            # The heartbeat's step: the workload may have gone on a step or two before it
-            # stopped, as the landed row's final step says.
-            at = "before its first step" if last_step is None else f"after step {last_step}"
-            raise WatchStopped(f"stopped {at}: the sweep was interrupted")
+        # The heartbeat's step: the workload may have gone on a step or two before it
+        # stopped, as the landed row's final step says.
+        stop_if_requested(
+            "before its first step" if last_step is None else f"after step {last_step}"
+        )
         try:
             status = provider.status(name)
             failing_since = None

@@ -8,7 +8,7 @@ import pytest
 
 from tests.workload_runs import WorkloadRun
 from workloads.config_file import load_workload_config
-from workloads.evaluate import evaluate, main
+from workloads.evaluate import EvaluationStopped, evaluate, main
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +44,14 @@ def test_a_step_without_a_checkpoint_is_one_line_naming_the_steps_there(trained,
     assert main(["--config", trained.config_path, "--step", "3"]) == 1
     err = capsys.readouterr().err
     assert err == f"no committed checkpoint step 3 in {trained.run_dir}/checkpoints (steps: 4)\n"
+
+
+def test_an_evaluation_told_to_stop_stops_before_its_next_batch(trained):
+    asked = []
+
+    def stop() -> bool:  # a stopped sweep's trial: asked before each batch
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(EvaluationStopped, match=r"^stopped after 2 eval batches$"):
+        evaluate(load_workload_config(trained.config_path), 4, stop=stop)

@@ -216,6 +216,61 @@ def test_an_interrupted_sweep_lands_its_trials_before_it_waits_for_them(tmp_path
     assert [error.split(":")[0] for _, _, error in rows] == ["stopping", "stopping", "not started"]
 
 
+def test_a_second_signal_stops_the_wait_for_trials_slow_to_stop(tmp_path, prefect_harness):
+    # The second signal left the wait as a bare KeyboardInterrupt, not SweepInterrupted:
+    # the sweep landed no final rows and no leaderboard, and still waited for its trials.
+    import os
+    import signal
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    limit = f"chips-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        sweep_tasks.ensure_chip_limit(limit, 16, 8, client)
+    plan = plan_of(tmp_path, [8] * 3, lanes=2, limit=limit)
+    started, release, second, caught = [], threading.Event(), [], []
+
+    def deaf(trial, plan) -> TrialOutcome:
+        started.append(trial.index)
+        release.wait(60)  # does not look at the sweep's stop
+        return TrialOutcome(status="completed")
+
+    def interrupt_twice() -> None:
+        deadline = time.monotonic() + 60
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+        second.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    @flow
+    def interrupted() -> list:
+        threading.Thread(target=interrupt_twice, daemon=True).start()
+        try:
+            return sweep_tasks.run_trials(plan, deaf)
+        except BaseException as exc:
+            caught.append((time.monotonic(), exc))
+            raise
+        finally:
+            release.set()  # lets the trials' threads end with the flow
+
+    with pytest.raises(BaseException):  # noqa: B017 (old code: a KeyboardInterrupt)
+        interrupted()
+    ((when, exc),) = caught
+    assert isinstance(exc, sweep_tasks.SweepInterrupted)
+    assert isinstance(exc.cause, KeyboardInterrupt)
+    assert when - second[0] < 5  # not the 60 s the trials would take
+    outcomes = [(r.index, r.status, r.error.split(":")[0]) for r in exc.results]
+    assert outcomes == [
+        (0, "cancelled", "stopping"),
+        (1, "cancelled", "stopping"),
+        (2, "cancelled", "not started"),
+    ]
+
+
 def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_sweep_run(
     tmp_path, monkeypatch
 ):

@@ -94,6 +94,55 @@ def test_a_signalled_sweep_stops_its_trials_lands_them_and_leaves_no_process(tmp
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_sweep_signalled_while_its_trial_evaluates_stops_the_evaluation(tmp_path):
+    # Only the watch of a training slice looked at the sweep's stop: a trial evaluating
+    # went on to the end of its evaluation (minutes on a large split) before the sweep
+    # could stop, and its run then landed completed under a `sweeps` row of the stop.
+    name, script = "sw-eval", tmp_path / "sweep.py"
+    script.write_text(SWEEP)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    overrides = [
+        f"storage.root={tmp_path}",
+        "train.steps=4",
+        "dataset.max_bytes=3000000",
+        "dataset.eval_fraction=0.4",  # tens of thousands of eval sequences,
+        "eval.batch_size=1",  # one per batch: minutes of evaluation
+        "eval.max_batches=1000000",
+    ]
+    sweep = subprocess.Popen(
+        [sys.executable, str(script), name, str(REPO / "configs/tiny.yaml"), *overrides],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        status = tmp_path / "runs" / f"{name}-t00" / "status.json"
+        deadline = time.monotonic() + 240
+        while not (status.exists() and json.loads(status.read_text()).get("phase") == "finished"):
+            assert sweep.poll() is None and time.monotonic() < deadline, "never finished training"
+            time.sleep(0.2)
+        time.sleep(5)  # the orchestrator verifies the final checkpoint and starts evaluating
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=60) == 128 + signal.SIGTERM
+        sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+        ((status_, error),) = sink.query(
+            f"SELECT status, error FROM runs WHERE run_id = '{name}-t00'"
+        )
+        assert status_ == "failed"
+        assert re.search(r"stopped (after \d+ eval batches of step 4|before evaluation)", error)
+        assert not (tmp_path / "runs" / f"{name}-t00" / "eval.json").exists()
+        rows = sink.query(
+            f"SELECT trial, status FROM sweeps WHERE sweep_id = '{name}' ORDER BY trial"
+        )
+        assert rows == [(0, "failed"), (1, "cancelled")]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sweep.pid, signal.SIGKILL)
+
+
 def _alive(pids: list[int], root: Path) -> list[int]:
     """Those of `pids` still running, and any process naming `root` (a trial's workload)."""
     return [pid for pid in pids if running(pid)] + processes_mentioning(str(root))

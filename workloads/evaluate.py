@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import jax
@@ -26,6 +27,10 @@ from workloads.eval_bytes import ScoredBytes
 from workloads.model import Transformer, token_losses
 from workloads.rundir import EVAL, write_json_atomic
 from workloads.trainer import BATCH_KEYS, batch_sharding, make_mesh
+
+
+class EvaluationStopped(RuntimeError):
+    """`evaluate`'s `stop` said to stop; says after how many batches."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,22 @@ def load_model(wcfg: WorkloadConfig, step: int, mesh) -> Transformer:
         return nnx.merge(graphdef, params)
 
 
-def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> EvalResult:
+def evaluate(
+    wcfg: WorkloadConfig,
+    step: int,
+    devices: list | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> EvalResult:
     """Mean token loss (nats) and bits per byte of checkpoint `step` on the eval split.
 
     `devices` (default: the first one) split each batch of `eval.batch_size` records;
     any count gives the same result up to float rounding (the sums are split otherwise:
     1, 3 and 8 devices gave 3.873303, 3.873164, 3.873164), whatever mesh trained the
     checkpoint. The pipeline and the CLI always use one device, so their figures repeat.
+
+    Raises:
+        EvaluationStopped: `stop()`, asked before each batch, was true (an evaluation of
+            many batches takes minutes, and a stopped sweep waited for it).
     """
     devices = devices or jax.devices()[:1]
     mesh = make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices)
@@ -82,6 +96,8 @@ def evaluate(wcfg: WorkloadConfig, step: int, devices: list | None = None) -> Ev
         for batch in input.eval_batches(
             wcfg.dataset_dir, wcfg.pipeline.eval.batch_size, wcfg.pipeline.eval.max_batches
         ):
+            if stop is not None and stop():
+                raise EvaluationStopped(f"stopped after {batches} eval batches")
             scored_bytes.add(batch["targets"], batch["weights"])
             rows = pad_rows(batch, len(devices))
             nll, tokens = batch_sums(
