@@ -129,6 +129,11 @@ def land_metrics(
     # name may have landed since: two at once replaced and mixed each other's rows.
     if (problem := owner_problem(config, plan, stored)) is not None:
         raise RunOwnerConflict(f"not landed: {problem}; this run's results stay in its directory")
+    if error is not None and result is None and stored is not None and stored.eval_loss is not None:
+        # A failed landing keeps the stored evaluation (landing_rule): it keeps the config
+        # that evaluation was made with too. A rerun with other eval settings, stopped while
+        # it evaluated, paired its own settings with the earlier evaluation's loss.
+        run = run.model_copy(update={"config_json": stored.config_json})
     if error is None and run.final_step and not run.tokens_trained:
         # A finished run trained steps: a ledger that counts none read a damaged events.jsonl
         # (emptied, cut short), and would land zero goodput, wall time and cost over the

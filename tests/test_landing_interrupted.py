@@ -9,6 +9,7 @@ handler would re-send the signal to the test process once the flow has crashed.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -139,6 +140,38 @@ def test_an_interrupted_rerun_of_a_finished_run_keeps_its_evaluation(
     monkeypatch.undo()
     assert rerun(finished, metrics).status == "completed"  # and a rerun completes it again
     assert landed(metrics) == (("completed", None, eval_loss, sha), steps, evals)
+
+
+def test_an_interrupted_rerun_with_other_eval_settings_keeps_the_config_of_its_evaluation(
+    finished, tmp_path, monkeypatch
+):
+    # The failed row took the rerun's config (eval.max_batches 2) beside the eval loss of
+    # the earlier evaluation, made with eval.max_batches 4.
+    import flows.pipeline as pipeline
+    from flows.pipeline import tpu_training_pipeline
+
+    metrics = tmp_path / "m.duckdb"
+    rerun(finished, metrics)
+    (_, _, eval_loss, _), _, evals = landed(metrics)
+    sink = DuckDBSink(metrics)
+
+    def eval_settings() -> dict:
+        ((config_json,),) = sink.query("SELECT config_json FROM runs WHERE run_id = ?", [NAME])
+        return json.loads(config_json)["eval"]
+
+    assert eval_settings()["max_batches"] == 4
+    other = tiny_config(
+        finished, f"run_name={NAME}", f"metrics.path={metrics}", "eval.max_batches=2"
+    )
+    with monkeypatch.context() as patched:
+        patched.setattr(pipeline, "evaluate_checkpoint", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tpu_training_pipeline(config=other)
+    assert landed(metrics)[0][:3] == ("failed", "KeyboardInterrupt", eval_loss)
+    assert eval_settings()["max_batches"] == 4  # the settings of the loss it holds
+    run = tpu_training_pipeline(config=other)  # evaluated with them: they are the row's
+    assert run.status == "completed" and run.eval_loss != eval_loss
+    assert eval_settings()["max_batches"] == 2 and len(evals) == 1
 
 
 def test_a_stopped_run_waits_for_a_held_metrics_file_only_briefly(finished, tmp_path, monkeypatch):
