@@ -19,6 +19,18 @@ import sys
 
 MODULE_LOGGERS = ("infra", "tasks", "workloads")
 
+# Failures whose message is all a user needs: a refused config or input, a run another
+# orchestrator runs. Prefect's task and flow engines logged each with its traceback, twice
+# (about 80 lines, on the console and in the UI) above the CLI's one-line refusal.
+# Matched by name: this module imports none of them (see the module docstring).
+REFUSALS = (
+    "workloads.config_file.ConfigError",
+    "workloads.sources.DatasetError",
+    "tasks.run_lock.RunInUse",
+    "tasks.run_owner.RunOwnerConflict",
+)
+RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
+
 
 class RunLogHandler(logging.Handler):
     """Prefect's API log handler, for records logged inside a flow or task run only.
@@ -52,6 +64,27 @@ class RunLogHandler(logging.Handler):
         """Flush Prefect's handler, if a record was sent through it."""
         if self._api is not None:
             self._api.flush()
+
+
+class _RefusalsWithoutTraceback(logging.Filter):
+    """Drops the traceback of a record whose exception is one of `REFUSALS` (or a
+    subclass); its message, which names the exception, stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if exc is not None and any(
+            f"{cls.__module__}.{cls.__qualname__}" in REFUSALS for cls in type(exc).__mro__
+        ):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_refusals_without_traceback() -> None:
+    """Log the failures of `REFUSALS` in flow and task runs as one line (idempotent)."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RefusalsWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_RefusalsWithoutTraceback())
 
 
 def _prefect_routes(name: str) -> bool:

@@ -15,7 +15,7 @@ import pytest
 
 from infra.metrics import DuckDBSink
 from tasks.goodput import read_events
-from tests.helpers import cut_checkpoint_data, processes_mentioning, tiny_config
+from tests.helpers import REPO, cut_checkpoint_data, processes_mentioning, tiny_config
 from workloads import checkpoint, data
 
 pytestmark = pytest.mark.integration
@@ -350,6 +350,37 @@ def test_cli_refuses_a_rerun_that_would_train_something_else(tiny_run, capsys, t
     assert _slices_left(root) == slices
 
 
+def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
+    # Prefect's task and flow engines logged a refused input with its traceback, twice:
+    # about 80 lines above the CLI's one-line message. Run as a user runs it: in-process,
+    # pytest captures Prefect's console logs before they are printed.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "ph")}
+    env.pop("PREFECT_API_URL", None)
+    none = f"{tmp_path}/none/*.txt"
+    overrides = ["--set", f"storage.root={tmp_path}", "--set", f"dataset.sources=[{none}]"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            str(REPO / "configs/tiny.yaml"),
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    text = out.stdout + out.stderr
+    assert f"invalid config or input:\ndataset source '{none}' matches no file" in out.stderr
+    assert 'Task run failed with exception: DatasetError("dataset source' in text  # logged
+    assert "Traceback" not in text
+
+
 def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_harness):
     from flows.pipeline import tpu_training_pipeline
 
@@ -418,7 +449,7 @@ def test_an_eval_split_gone_after_training_is_an_evaluation_error(tmp_path, monk
     from workloads import evaluate
     from workloads.sources import DatasetError
 
-    def gone(wcfg, step):
+    def gone(wcfg, step, stop=None):
         raise DatasetError("incomplete dataset: no manifest.json in /d")
 
     monkeypatch.setattr(evaluate, "evaluate", gone)
