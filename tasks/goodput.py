@@ -98,7 +98,9 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     is any line that is not JSON (bytes that are not UTF-8 included) or not an event as
     `EventLog` writes one: an object with a numeric `time`, a string `event` and an
     integer `attempt` if any. The ledger orders and groups events by those, and a line
-    without them (hand-edited, another tool's) failed the run's landing with a KeyError."""
+    without them (hand-edited, another tool's) failed the run's landing with a KeyError.
+    Events of a workload started by hand (`"attempt": null`) belong to no attempt and are
+    left out too (`workloads.events.EventLog.from_env`)."""
     events = []
     try:
         lines = epath.Path(path).read_bytes().decode("utf-8", "replace").splitlines()

@@ -51,7 +51,7 @@ class EventLog:
     def __init__(
         self,
         run_dir: str,
-        attempt: int = 0,
+        attempt: int | None = 0,
         lease: str | None = None,
         source: str = "workload",
         clock: Callable[[], float] = time.time,
@@ -66,8 +66,15 @@ class EventLog:
 
     @classmethod
     def from_env(cls, run_dir: str, env: Mapping[str, str] = os.environ) -> EventLog:
-        """The workload's log: attempt and lease come from the slice's environment."""
-        return cls(run_dir, int(env.get("TPUPIPE_ATTEMPT", "0")), env.get("TPUPIPE_LEASE"))
+        """The workload's log: attempt and lease come from the slice's environment.
+
+        A workload started by hand (no `TPUPIPE_ATTEMPT`) is no attempt of the pipeline:
+        its events say `"attempt": null`, which the ledger and `tpupipe report` leave out.
+        Numbered 0, they were read as an attempt that never ended (`abandoned`), and the
+        next landing counted its time in the run's wall time and goodput.
+        """
+        attempt = env.get("TPUPIPE_ATTEMPT")
+        return cls(run_dir, int(attempt) if attempt else None, env.get("TPUPIPE_LEASE"))
 
     def emit(self, event: str, **fields: Any) -> None:
         """Append one event as a single line (one write, so lines never interleave)."""
