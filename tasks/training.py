@@ -45,6 +45,28 @@ def _provider(config: PipelineConfig, plan: RunPlan):
     return build_provider(config.slice.provider, plan.slices_root, config.slice)
 
 
+def _recalling_provider(config: PipelineConfig, plan: RunPlan):
+    """The provider, also looking for the run's slice where earlier attempts recorded
+    creating it (`placement` on their `provision_requested`): a rerun with another
+    `slice.zone` deleted nothing in the old zone, and a node left by a killed orchestrator
+    stayed READY, and billed, until its ttl."""
+    provider = _provider(config, plan)
+    earlier = [
+        e["placement"]
+        for e in read_events(f"{plan.run_dir}/{EVENTS}")
+        if e["event"] == "provision_requested" and isinstance(e.get("placement"), dict)
+    ]
+    if earlier and (unreachable := provider.recall(plan.slice_name, earlier)):
+        get_run_logger().warning(
+            "earlier attempts of run %s created slice %s in %s, which this run's settings "
+            "cannot reach: delete it there if it still exists",
+            plan.run_name,
+            plan.slice_name,
+            ", ".join(unreachable),
+        )
+    return provider
+
+
 def workload_command(config_path: str) -> list[str]:
     """The argv that runs the workload: the same module on every kind of slice."""
     return [sys.executable, "-m", "workloads.train", "--config", config_path]
@@ -82,9 +104,10 @@ def provision_slice(
     config: PipelineConfig, plan: RunPlan, config_path: str, attempt: int, lease: str
 ) -> str:
     """Create the slice for this attempt with the workload as its job; returns its name."""
-    provider = _provider(config, plan)
+    provider = _recalling_provider(config, plan)
     events = _events(plan, attempt)
-    # A slice of this name left by a crashed orchestrator would block the create.
+    # A slice of this name left by a crashed orchestrator would block the create (or, in
+    # a zone this attempt does not use, be billed until its ttl).
     provider.delete(plan.slice_name)
     spec = SliceSpec(
         name=plan.slice_name,
@@ -98,7 +121,7 @@ def provision_slice(
         chaos=config.slice.chaos.model_dump() if config.slice.provider == "local" else None,
     )
     # The attempt's price and slice: a rerun on another slice must not re-price it.
-    events.emit("provision_requested", **attempt_pricing(config))
+    events.emit("provision_requested", placement=provider.placement(), **attempt_pricing(config))
     try:
         status = provider.create(spec)
     except ProvisioningError as exc:
@@ -215,7 +238,7 @@ def train_with_retries(config: PipelineConfig) -> Task:
 @task(name="teardown-slice", cache_policy=NONE)
 def teardown_slice(config: PipelineConfig, plan: RunPlan) -> bool:
     """Delete the run's slice; idempotent, so it is safe whatever happened before."""
-    deleted = _provider(config, plan).delete(plan.slice_name)
+    deleted = _recalling_provider(config, plan).delete(plan.slice_name)
     get_run_logger().info(
         "slice %s %s", plan.slice_name, "deleted" if deleted else "was already gone"
     )

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 # GCP resource names are lowercase letters, digits and dashes, at most 63 characters.
 # RFC 1035, as GCP names a TPU node or queued resource: a leading digit or a trailing dash
@@ -188,4 +188,15 @@ class SliceProvider(Protocol):
         Raises:
             PartialListError: some zones could not be listed; it holds the others' slices.
         """
+        ...
+
+    def placement(self) -> dict[str, Any]:
+        """Where this provider creates slices (JSON-able; {} if it has one place only),
+        recorded with each attempt's provision request, for `recall`."""
+        ...
+
+    def recall(self, name: str, placements: list[dict[str, Any]]) -> list[str]:
+        """Also look for slice `name` where earlier attempts recorded creating it
+        (`placement`s of other settings: a rerun with another zone), when finding and
+        deleting it. Returns the places this provider cannot reach (another project)."""
         ...

@@ -238,6 +238,24 @@ class GcpSliceProvider(TpuZones):
                 return self.delete(name)
         return False
 
+    def placement(self) -> dict[str, Any]:
+        """The project and the zones a create may use, in order."""
+        return {"project": self.settings.project, "zones": list(self.settings.zones)}
+
+    def recall(self, name: str, placements: list[dict[str, Any]]) -> list[str]:
+        """Find and delete slice `name` in the zones of `placements` too (those of this
+        project): a rerun with another `slice.zone` left the node an earlier attempt had
+        created READY, and billed, until its ttl. Returns `project/zone` of the others."""
+        zones, elsewhere = [], []
+        for placement in placements:
+            for zone in placement.get("zones") or ():
+                if placement.get("project") == self.settings.project:
+                    zones.append(zone)
+                else:
+                    elsewhere.append(f"{placement.get('project')}/{zone}")
+        self._recalled[name] = tuple(dict.fromkeys(zones))
+        return list(dict.fromkeys(elsewhere))
+
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
         """Slices (nodes, and spot requests still waiting) carrying every given label."""
         wanted = (labels or {}).items()

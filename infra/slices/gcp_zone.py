@@ -38,6 +38,9 @@ class TpuZones:
         self.tpu, self.settings = tpu, settings
         self._clock, self._sleep = clock, sleep
         self._zone_of: dict[str, str] = {}  # where we last saw each slice: try it first
+        # Zones outside `settings.zones` where earlier attempts may have created a slice
+        # (a rerun with another zone): looked in and cleared, never created in.
+        self._recalled: dict[str, tuple[str, ...]] = {}
         self._unanswered: set[str] = set()  # creates interrupted before their answer
 
     # -- creation ----------------------------------------------------------------------
@@ -162,6 +165,9 @@ class TpuZones:
         if first:
             yield first
         yield from (z for z in self.settings.zones if z != first)
+        yield from (
+            z for z in self._recalled.get(name, ()) if z != first and z not in self.settings.zones
+        )
 
     def _find_node(self, name: str) -> tuple[str, tpu_v2.Node] | None:
         for zone in self._zones_for(name):

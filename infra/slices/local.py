@@ -224,6 +224,14 @@ class LocalSliceProvider:
                 out.append(status)
         return out
 
+    def placement(self) -> dict[str, Any]:
+        """{}: one registry, the only place this provider's slices are."""
+        return {}
+
+    def recall(self, name: str, placements: list[dict[str, Any]]) -> list[str]:
+        """Nothing to recall: every slice of this storage root is in its one registry."""
+        return []
+
     # -- internals --------------------------------------------------------------------
 
     def _path(self, name: str) -> Path:

@@ -10,6 +10,7 @@ import pytest
 
 from infra.gcp.clients import bigquery_client
 from infra.metrics.bigquery_sink import BigQuerySink
+from tasks.goodput import read_events
 from tests.emulator.test_gcp_run import ZONE, FakeVms
 from tests.helpers import tiny_config
 
@@ -62,6 +63,11 @@ def test_the_pipeline_flow_runs_on_the_gcp_backends(
     assert list(gcs_client.list_blobs(bucket, prefix="flow/locks/")) == []
     # The slice is gone and the node was created exactly once.
     assert fake.nodes == {} and sum(fake.creates.values()) == 1
+    # Where it was asked for, for a rerun with other zones to find (test_tpu_reap).
+    requested = [
+        e for e in read_events(f"{run.run_dir}/events.jsonl") if e["event"] == "provision_requested"
+    ]
+    assert [e["placement"] for e in requested] == [{"project": "test-project", "zones": [ZONE]}]
     sink = BigQuerySink(bigquery_client("test-project"), "flow")
     ((steps, evals),) = sink.query(
         "SELECT (SELECT COUNT(DISTINCT step) FROM `flow.step_metrics` WHERE run_id = @run_id),"

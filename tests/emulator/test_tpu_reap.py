@@ -86,3 +86,35 @@ def test_a_slice_whose_flow_run_this_api_does_not_know_is_left_to_its_ttl(fake_t
     assert reap(provider, lambda flow_run_id: None, now=float(ttl) + 1) == [
         ("tpupipe-live", f"ttl {ttl} has passed")
     ]
+
+
+def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
+    fake_tpu, tmp_path, monkeypatch, prefect_harness
+):
+    """A rerun with another `slice.zone` after a killed orchestrator looked for the run's
+    slice only in its own zones: the node the first attempt had created stayed READY, and
+    billed, until its ttl (24 h by default)."""
+    from prefect import flow
+
+    from tasks import training
+    from workloads.events import EventLog
+
+    fake, host = fake_tpu
+    make_provider(host, zones=("us-west4-a",)).create(spec("tpupipe-r1"))  # attempt 1's
+    placement = {"project": PROJECT, "zones": ["us-west4-a"]}  # as its ledger records it
+    EventLog(str(tmp_path), 1, source="orchestrator").emit(
+        "provision_requested", placement=placement
+    )
+    rerun = make_provider(host, zones=("us-east5-b",))
+    monkeypatch.setattr(training, "_provider", lambda config, plan: rerun)
+    plan = SimpleNamespace(run_dir=str(tmp_path), run_name="r1", slice_name="tpupipe-r1")
+
+    @flow
+    def teardown_of_the_rerun() -> bool:
+        return training.teardown_slice(None, plan)
+
+    assert teardown_of_the_rerun() is True
+    assert fake.nodes == {}
+    # A zone of another project is named for the user (the warning), not looked in.
+    other = [{"project": "other-project", "zones": ["us-west4-a"]}]
+    assert rerun.recall("tpupipe-r1", other) == ["other-project/us-west4-a"]
