@@ -105,6 +105,21 @@ def test_unknown_run_exits_non_zero_naming_the_runs_there(tmp_path, capsys):
     assert cli_main(["report", "three", "--set", "cost.region=us-east1"]) == 2  # no --config
 
 
+def test_a_gs_root_without_credentials_is_refused_at_once_naming_them(
+    tmp_path, capsys, monkeypatch
+):
+    # The README's `tpupipe report v5e-small --config configs/v5e-8-spot.yaml` with no
+    # credentials retried its reads for 82 s and printed six tracebacks naming none.
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-key.json"))
+    args = ["report", "v5e-small", "--config", str(REPO / "configs/v5e-8-spot.yaml")]
+    assert cli_main([*args, "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpupipe report: gs://") and "Application Default Credentials" in err
+    assert f"GOOGLE_APPLICATION_CREDENTIALS={tmp_path / 'no-key.json'}" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_an_unreadable_eval_json_is_left_out_of_the_report_with_a_warning(tmp_path, capsys, caplog):
     # It gave a JSONDecodeError traceback naming no file.
     run_dir = fake_run(tmp_path)
