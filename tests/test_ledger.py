@@ -170,6 +170,10 @@ def test_cost_config_errors_name_their_fields(tmp_path):
         load_config(tiny, ["cost.priced_as=v9-8", "cost.region=us-central1"])
     with pytest.raises(ConfigError, match=r"cost.region 'Iowa' is not a region name"):
         load_config(tiny, ["cost.region=Iowa"])
+    # Only for cost.priced_as: set alone, they were ignored in silence.
+    for field in ("region=us-central1", "capacity=spot"):
+        with pytest.raises(ConfigError, match=rf"cost.{field.split('=')[0]} = .* applies only"):
+            load_config(tiny, [f"cost.{field}"])
     with pytest.raises(ConfigError, match=r"--set: cost.usd_per_chip_hour: .*greater than 0"):
         load_config(tiny, ["cost.usd_per_chip_hour=0"])
     with pytest.raises(ValueError, match=r"cost.priced_as = 'v5litepod-8' is for local slices"):

@@ -208,6 +208,9 @@ def test_sweep_numbers_are_numbers_of_their_type_as_in_a_pipeline_config(fields)
 def test_a_typo_in_a_space_field_names_the_field_meant():
     assert "(did you mean 'train'?)" in _space_error({"grid": {"trian.steps": [1]}})
     assert "(did you mean 'learning_rate'?)" in _space_error({"grid": {"train.learning_rte": [1]}})
+    # A field named as a section: no hint that names the field itself.
+    said = _space_error({"grid": {"train.steps.x": [1]}})
+    assert "'steps' is not a config section" in said and "did you mean" not in said
 
 
 def test_trials_via_a_deployment_that_does_not_exist_stop_the_plan():

@@ -153,4 +153,12 @@ class CostConfig(_Strict):
                 f"cost.priced_as = {self.priced_as!r} needs cost.region (prices differ by "
                 "region), e.g. us-central1"
             )
+        # Both only say how cost.priced_as is priced: without it they were ignored.
+        for name in ("region", "capacity"):
+            if getattr(self, name) is not None and not self.priced_as:
+                raise ValueError(
+                    f"cost.{name} = {getattr(self, name)!r} applies only with cost.priced_as "
+                    "(the TPU type a local run stands for); a gcp slice is priced at "
+                    "slice.zone's region and slice.capacity"
+                )
         return self

@@ -108,8 +108,8 @@ def did_you_mean(model: type[BaseModel], path: list[str]) -> str:
     """` (did you mean 'train'?)` for an unknown key at `path` (e.g. `['trian']`,
     `['train', 'learning_rte']`) that is close to a field of its section, else ''."""
     section = _model_of(field_annotation(model, path[:-1])) if path else None
-    if section is None:
-        return ""
+    if section is None or path[-1] in section.model_fields:
+        return ""  # a field named as a section (train.steps.x): its own name is no hint
     close = difflib.get_close_matches(path[-1], list(section.model_fields), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
