@@ -3,23 +3,28 @@
 A slice costs money from its create on. Each thing here, when a worker was the first to
 find it wrong, cost a slice and a failed start-up and ended in an error that named neither
 the config field nor the object: the bucket of `storage.root`, the wheel of `slice.wheel`,
-and a published dataset whose manifest lists a shard the bucket no longer holds.
+and a published dataset whose manifest lists a shard the bucket no longer holds, or holds
+with other bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import tempfile
 from typing import Any
 
 from workloads import data
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.data import DatasetError
-from workloads.manifest import SPLITS
+from workloads.manifest import SPLITS, TMP_PREFIX
 
 logger = logging.getLogger(__name__)
+# In the local dataset directory: each shard's CRC32C, by the size and mtime it had then.
+CRC_CACHE = ".crc32c.json"
 
 
 def storage_client(config: PipelineConfig) -> Any:
@@ -92,10 +97,18 @@ def check_gcs_places(config: PipelineConfig, client: Any = None) -> None:
 
 def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:
     """Make the dataset under `datasets_root` (gs://) whole: upload it, manifest last, if
-    it has no manifest there (or one that does not parse); otherwise check that every shard
-    the remote manifest lists exists with its recorded size, and upload the ones missing or
-    of another size from `local_dir`, each only if the local copy is the same file (same
-    sha256 and size in both manifests).
+    it has no manifest there (or one that does not parse); otherwise check, from one
+    listing, that every shard the remote manifest lists exists with its recorded size and,
+    where `local_dir` holds the same file (same sha256 and size in both manifests, the file
+    of that size), with the CRC32C of that file. Shards missing, of another size or of
+    other bytes are uploaded again from `local_dir`, each only if the local copy is the
+    same file.
+
+    A shard with no such local copy is checked by size only: the manifest vouches for its
+    bytes by sha256, which Cloud Storage does not compute, so there is nothing to compare
+    its CRC32C with short of reading it; other bytes there are left as they are (never
+    replaced by another file's), for the worker's sha256 check to find. The local CRC32Cs
+    are cached in `local_dir/.crc32c.json`, so only the first check reads the local shards.
 
     Args:
         local_dir: The orchestrator's complete copy of the dataset.
@@ -117,15 +130,20 @@ def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) 
     text = gcs.read_bytes(client, f"{remote}/{data.MANIFEST}")
     try:
         manifest = json.loads(text) if text is not None else None
-        bad = damaged_shards(manifest, gcs.object_sizes(client, remote)) if manifest else None
-    except (ValueError, KeyError, TypeError):  # a manifest no reader accepts: publish anew
-        manifest = bad = None
-    if manifest is None:
+        listing = gcs.object_listing(client, remote) if manifest else {}
+        bad = damaged_shards(manifest, {n: o.size for n, o in listing.items()}) if manifest else []
+    except (ValueError, KeyError, TypeError):
+        manifest = None
+    if not manifest:  # none, or one no reader accepts: publish anew
         gcs.upload_tree(client, local_dir, remote, last=(data.MANIFEST,))
         return remote
-    if bad:
-        local = data.load_manifest(local_dir)
-        unfixable = [name for name in bad if not _local_copy(local_dir, local, manifest, name)]
+    local = data.load_manifest(local_dir)
+    copies = [n for n in _shard_names(manifest) if _local_copy(local_dir, local, manifest, n)]
+    crc32cs = _local_crc32cs(local_dir, [n for n in copies if n not in bad])
+    # Cloud Storage lists a crc32c for every object; one without keeps the size check alone.
+    rewritten = [n for n, crc in crc32cs.items() if listing[n].crc32c not in (None, crc)]
+    if bad or rewritten:
+        unfixable = [name for name in bad if name not in copies]
         if unfixable:
             raise DatasetError(
                 f"dataset {remote} lacks {', '.join(unfixable)} (missing or of another size "
@@ -134,9 +152,14 @@ def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) 
             )
         # The remote manifest stays as it is: it already lists these shards with these
         # sizes and sha256s, and the local one may differ in entries of shards not repaired.
-        gcs.upload_files(client, local_dir, remote, bad)
+        gcs.upload_files(client, local_dir, remote, bad + rewritten)
+        why = {n: "missing" if n not in listing else "of another size" for n in bad}
+        why |= {n: "damaged: other bytes of the same size, its crc32c differs" for n in rewritten}
         logger.warning(
-            "dataset %s repaired: uploaded %s again from %s", remote, ", ".join(bad), local_dir
+            "dataset %s repaired: uploaded %s again from %s",
+            remote,
+            ", ".join(f"{name} ({what})" for name, what in why.items()),
+            local_dir,
         )
     return remote
 
@@ -151,6 +174,10 @@ def damaged_shards(manifest: dict, sizes: dict[str, int]) -> list[str]:
         for s in shards
         if s["name"] not in sizes or sizes[s["name"]] != s.get("bytes", sizes[s["name"]])
     ]
+
+
+def _shard_names(manifest: dict) -> list[str]:
+    return [s["name"] for split in SPLITS for s in manifest["splits"][split]["shards"]]
 
 
 def _local_copy(local_dir: str, local: dict, remote: dict, name: str) -> bool:
@@ -168,3 +195,55 @@ def _local_copy(local_dir: str, local: dict, remote: dict, name: str) -> bool:
     except OSError:
         return False
     return size == mine.get("bytes", size)
+
+
+def _local_crc32cs(local_dir: str, names: list[str]) -> dict[str, str]:
+    """The CRC32C (as Cloud Storage lists it) of each local shard of `names` that can be
+    read, from `CRC_CACHE` where the file's size and mtime are those cached with it."""
+    from infra.gcp import gcs
+
+    # Checksumming reads the whole dataset, as long as uploading it; a dataset directory is
+    # complete and immutable once its manifest exists (and `workloads.shard_stats` rehashes
+    # a shard whose inode or ctime changed), so each shard is read once, not per run.
+    path = os.path.join(local_dir, CRC_CACHE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cached = json.load(fh)
+        if not isinstance(cached, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError):  # none yet, or torn or edited: read the shards again
+        cached = {}
+    found, read = {}, False
+    for name in names:
+        try:
+            st = os.stat(os.path.join(local_dir, name))
+            key = [st.st_size, st.st_mtime_ns]
+            entry = cached.get(name)
+            if not (
+                isinstance(entry, dict)
+                and entry.get("key") == key
+                and isinstance(entry.get("crc32c"), str)
+            ):
+                entry = {"key": key, "crc32c": gcs.file_crc32c(os.path.join(local_dir, name))}
+                cached[name], read = entry, True
+        except OSError:  # gone since `_local_copy` saw it: no copy to compare with
+            continue
+        found[name] = entry["crc32c"]
+    if read:
+        _write_atomically(path, json.dumps(cached, sort_keys=True))
+    return found
+
+
+def _write_atomically(path: str, text: str) -> None:
+    # Best effort: a directory this process may not write is read again next time. The
+    # temporary name is unique, as two runs may check the same dataset at once.
+    directory, name = os.path.split(path)
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

@@ -53,19 +53,8 @@ def test_the_readme_runs_its_sweep_with_run_sweep():
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
 def test_a_signalled_sweep_stops_its_trials_lands_them_and_leaves_no_process(tmp_path, sig):
-    name, script = f"sw-{sig.name.lower()}", tmp_path / "sweep.py"
-    script.write_text(SWEEP)
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
-    env.pop("PREFECT_API_URL", None)  # as on a laptop: the sweep starts its own API
-    overrides = [f"storage.root={tmp_path}", "train.steps=100000"]
-    sweep = subprocess.Popen(
-        [sys.executable, str(script), name, str(REPO / "configs/tiny.yaml"), *overrides],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    name = f"sw-{sig.name.lower()}"
+    sweep = start_sweep(tmp_path, name, ["train.steps=100000"])
     started: list[int] = []
     try:
         status = tmp_path / "runs" / f"{name}-t00" / "status.json"
@@ -98,26 +87,15 @@ def test_a_sweep_signalled_while_its_trial_evaluates_stops_the_evaluation(tmp_pa
     # Only the watch of a training slice looked at the sweep's stop: a trial evaluating
     # went on to the end of its evaluation (minutes on a large split) before the sweep
     # could stop, and its run then landed completed under a `sweeps` row of the stop.
-    name, script = "sw-eval", tmp_path / "sweep.py"
-    script.write_text(SWEEP)
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(REPO)}
-    env.pop("PREFECT_API_URL", None)
+    name = "sw-eval"
     overrides = [
-        f"storage.root={tmp_path}",
         "train.steps=4",
         "dataset.max_bytes=3000000",
         "dataset.eval_fraction=0.4",  # tens of thousands of eval sequences,
         "eval.batch_size=1",  # one per batch: minutes of evaluation
         "eval.max_batches=1000000",
     ]
-    sweep = subprocess.Popen(
-        [sys.executable, str(script), name, str(REPO / "configs/tiny.yaml"), *overrides],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    sweep = start_sweep(tmp_path, name, overrides)
     try:
         status = tmp_path / "runs" / f"{name}-t00" / "status.json"
         deadline = time.monotonic() + 240
@@ -141,6 +119,24 @@ def test_a_sweep_signalled_while_its_trial_evaluates_stops_the_evaluation(tmp_pa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(sweep.pid, signal.SIGKILL)
+
+
+def start_sweep(root: Path, name: str, overrides: list[str]) -> subprocess.Popen:
+    """The README's sweep script, run from `root` (its storage root) as on a laptop: no
+    `PREFECT_API_URL`, so it starts its own API."""
+    script = root / "sweep.py"
+    script.write_text(SWEEP)
+    env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    base = [str(REPO / "configs/tiny.yaml"), f"storage.root={root}"]
+    return subprocess.Popen(
+        [sys.executable, str(script), name, *base, *overrides],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _alive(pids: list[int], root: Path) -> list[int]:

@@ -9,10 +9,13 @@ so a reader that sees the marker sees a complete tree — GCS has no directory r
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+import google_crc32c
 from google.api_core import exceptions as gexc
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
@@ -64,12 +67,33 @@ def upload_files(
     return len(names)
 
 
-def object_sizes(client: storage.Client, uri: str) -> dict[str, int]:
-    """Every object under `uri/` by its name relative to `uri`, with its size: one
-    listing, however many objects there are."""
+class ObjectInfo(NamedTuple):
+    """What a listing tells of one object."""
+
+    size: int
+    crc32c: str | None  # base64 of the big-endian CRC32C, as Cloud Storage gives it
+
+
+def object_listing(client: storage.Client, uri: str) -> dict[str, ObjectInfo]:
+    """Every object under `uri/` by its name relative to `uri`, with its size and CRC32C:
+    one listing, however many objects there are (no object is read)."""
     bucket_name, prefix = split_uri(uri)
     blobs = client.list_blobs(bucket_name, prefix=f"{prefix}/" if prefix else None)
-    return {b.name[len(prefix) :].lstrip("/"): int(b.size) for b in blobs}
+    return {b.name[len(prefix) :].lstrip("/"): ObjectInfo(int(b.size), b.crc32c) for b in blobs}
+
+
+def file_crc32c(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """The CRC32C of a local file as Cloud Storage lists an object's (`ObjectInfo.crc32c`),
+    read in chunks of `chunk_bytes`.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            checksum.update(chunk)
+    return base64.b64encode(checksum.digest()).decode("ascii")
 
 
 def read_bytes(client: storage.Client, uri: str) -> bytes | None:

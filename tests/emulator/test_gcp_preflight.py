@@ -7,6 +7,10 @@ anything was provisioned."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+
 import pytest
 from etils import epath
 
@@ -57,6 +61,33 @@ def put_wheel(gcs_client, bucket: str) -> None:
     gcs_client.bucket(bucket).blob(WHEEL).upload_from_string(b"a wheel")
 
 
+def published_tiny(gcs_client, bucket: str, tmp_path, cache: str, *overrides: str):
+    """configs/tiny.yaml's dataset sharded into `tmp_path/cache` and published in `bucket`
+    as an earlier run left it; returns (config, local dataset dir, remote dataset dir)."""
+    from tasks.prepare import shard_corpus
+    from tests.helpers import tiny_config
+
+    config = tiny_config(tmp_path, *overrides)
+    local = shard_corpus(config.dataset, str(tmp_path / cache)).dataset_dir
+    remote = f"gs://{bucket}/root/datasets/{epath.Path(local).name}"
+    gcs.upload_tree(gcs_client, local, remote, last=[data.MANIFEST])
+    return config, local, remote
+
+
+def overwrite_in_place(gcs_client, bucket: str, local: str, name: str):
+    """Replace the published shard `name` with other bytes of its size (every bit flipped,
+    as a bad copy or a stray writer could leave it); returns its blob."""
+    blob = gcs_client.bucket(bucket).blob(f"root/datasets/{epath.Path(local).name}/{name}")
+    blob.upload_from_string(bytes(b ^ 0xFF for b in (epath.Path(local) / name).read_bytes()))
+    return blob
+
+
+def repaired(caplog, name: str, why: str) -> bool:
+    return any(
+        "repaired" in r.getMessage() and f"{name} ({why}" in r.getMessage() for r in caplog.records
+    )
+
+
 def test_a_published_dataset_missing_a_shard_is_repaired_before_provisioning(
     vms, gcs_client, bucket, tmp_path, prefect_harness, caplog
 ):
@@ -96,6 +127,82 @@ def test_a_published_shard_of_another_size_is_uploaded_again(gcs_client, bucket,
 
     assert publish_dataset(local, f"gs://{bucket}/root/datasets", config) == remote
     assert blob.download_as_bytes() == (epath.Path(local) / cut).read_bytes()
+
+
+def test_a_published_shard_with_other_bytes_of_its_size_is_repaired_before_provisioning(
+    vms, gcs_client, bucket, tmp_path, prefect_harness, caplog
+):
+    from flows.cli import main
+
+    fake, machines = vms
+    put_wheel(gcs_client, bucket)
+    _, local, _ = published_tiny(gcs_client, bucket, tmp_path, "orchestrator-cache")
+    name = data.load_manifest(local)["splits"]["train"]["shards"][0]["name"]
+    blob = overwrite_in_place(gcs_client, bucket, local, name)
+    machines.env = {"TPUPIPE_DATASET_CACHE": str(tmp_path / "worker-cache")}  # a fresh VM
+
+    # Without the check the VM's workload fails on the shard's sha256, on every rerun.
+    assert main(gcp_args(bucket)) == 0
+    assert sum(fake.creates.values()) == 1
+    assert blob.download_as_bytes() == (epath.Path(local) / name).read_bytes()
+    assert repaired(caplog, name, "damaged: other bytes")
+
+
+def test_a_second_check_reads_no_local_shard_again(gcs_client, bucket, tmp_path, monkeypatch):
+    from tasks.remote import CRC_CACHE, publish_dataset
+
+    datasets = f"gs://{bucket}/root/datasets"
+    config, local, remote = published_tiny(
+        gcs_client, bucket, tmp_path, "cache", f"storage.root=gs://{bucket}/root"
+    )
+    shards = [
+        s["name"]
+        for split in ("train", "eval")
+        for s in data.load_manifest(local)["splits"][split]["shards"]
+    ]
+    reads = []
+    real = gcs.file_crc32c
+    monkeypatch.setattr(gcs, "file_crc32c", lambda path, *a: reads.append(path) or real(path, *a))
+
+    assert publish_dataset(local, datasets, config) == remote
+    assert sorted(epath.Path(p).name for p in reads) == sorted(shards)
+    assert (epath.Path(local) / CRC_CACHE).is_file()
+    # The next check compares with the cached checksums, so it still finds other bytes.
+    reads.clear()
+    blob = overwrite_in_place(gcs_client, bucket, local, shards[-1])
+    assert publish_dataset(local, datasets, config) == remote
+    assert reads == []
+    assert blob.download_as_bytes() == (epath.Path(local) / shards[-1]).read_bytes()
+    # A cache that does not parse is read as none.
+    (epath.Path(local) / CRC_CACHE).write_text('{"torn')
+    assert publish_dataset(local, datasets, config) == remote
+    assert len(reads) == len(shards)
+
+
+def test_a_damaged_shard_whose_local_copy_is_another_file_is_left_to_the_size_check(
+    gcs_client, bucket, tmp_path, caplog
+):
+    from tasks.remote import publish_dataset
+
+    config, local, remote = published_tiny(
+        gcs_client, bucket, tmp_path, "cache", f"storage.root=gs://{bucket}/root"
+    )
+    manifest = data.load_manifest(local)
+    same, other = (s["name"] for s in manifest["splits"]["train"]["shards"][:2])
+    # The local manifest vouches for other bytes of `other` (another build of that shard):
+    # its local file must not replace the remote one, whatever is there.
+    manifest["splits"]["train"]["shards"][1]["sha256"] = hashlib.sha256(b"another").hexdigest()
+    (epath.Path(local) / data.MANIFEST).write_text(json.dumps(manifest))
+    fixable = overwrite_in_place(gcs_client, bucket, local, same)
+    left = overwrite_in_place(gcs_client, bucket, local, other)
+    damaged = left.download_as_bytes()
+
+    with caplog.at_level(logging.WARNING, logger="tasks.remote"):
+        assert publish_dataset(local, f"gs://{bucket}/root/datasets", config) == remote
+    assert fixable.download_as_bytes() == (epath.Path(local) / same).read_bytes()
+    assert repaired(caplog, same, "damaged: other bytes")
+    assert left.download_as_bytes() == damaged
+    assert not any(other in r.getMessage() for r in caplog.records)
 
 
 def test_a_published_dataset_missing_a_shard_with_no_local_copy_is_refused(
