@@ -133,7 +133,9 @@ def format_report(report: RunReport) -> str:
     good = ledger.goodput
     lines = [f"run {report.run_id}: {report.run_dir}", _slice_line(report), ""]
     if not ledger.attempts:
-        return "\n".join([*lines, "no attempts recorded yet (events.jsonl is empty)"])
+        return "\n".join(
+            [*lines, "no attempts recorded yet (events.jsonl holds no event of an attempt)"]
+        )
     t0 = origin(ledger)
     started = datetime.fromtimestamp(t0, UTC).isoformat(timespec="seconds")
     lines.append(f"times in seconds from the first provisioning request, {started}")

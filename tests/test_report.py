@@ -120,6 +120,14 @@ def test_a_gs_root_without_credentials_is_refused_at_once_naming_them(
     assert len(err.splitlines()) == 1
 
 
+def test_a_run_with_no_attempt_recorded_says_so_whatever_its_ledger_holds(tmp_path):
+    run_dir = fake_run(tmp_path)
+    by_hand = {"time": 1.0, "event": "started", "attempt": None, "source": "workload"}
+    (run_dir / "events.jsonl").write_text(f"not json\n{json.dumps(by_hand)}\n")
+    text = format_report(load_report(str(tmp_path), "three"))
+    assert text.endswith("no attempts recorded yet (events.jsonl holds no event of an attempt)")
+
+
 def test_an_unreadable_eval_json_is_left_out_of_the_report_with_a_warning(tmp_path, capsys, caplog):
     # It gave a JSONDecodeError traceback naming no file.
     run_dir = fake_run(tmp_path)
