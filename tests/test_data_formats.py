@@ -121,6 +121,29 @@ def test_bad_jsonl_names_file_and_line(tmp_path, rows, message):
         data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
 
 
+def test_utf8_checked_a_chunk_at_a_time_finds_what_a_whole_decode_finds(monkeypatch):
+    # Large documents are checked by the megabyte (a whole decode of a 120 MB mixed-script
+    # document made a str of up to 4 bytes per character); here chunks of 5 bytes, so
+    # characters of 2-4 bytes straddle them everywhere.
+    from workloads import documents_text
+
+    monkeypatch.setattr(documents_text, "_UTF8_CHUNK", 5)
+    text = "ascii é ß 中文 😀 mixed ∑ text 🎉 end".encode()
+    bad = [text[:7] + b"\xff" + text[7:], text[:-1], text + b"\xc3", b"\xed\xa0\x80" + text]
+    for raw in (text, *(text[:cut] for cut in range(len(text))), *bad):
+        try:
+            raw.decode("utf-8")
+            valid = True
+        except UnicodeDecodeError as exc:
+            valid, offset = False, exc.start
+        assert documents_text._valid_utf8(raw) is valid
+        if valid:
+            assert documents_text.utf8(raw, "f", 100, "strict") is raw
+        else:  # the offset is the whole decode's, in the file
+            with pytest.raises(DatasetError, match=f"invalid UTF-8 at byte offset {100 + offset} "):
+                documents_text.utf8(raw, "f", 100, "strict")
+
+
 def test_invalid_utf8_names_file_and_byte_offset_unless_replaced(tmp_path):
     text = tmp_path / "bad.txt"
     text.write_bytes(b"hello \xff world")
