@@ -248,3 +248,37 @@ def test_empty_compilation_cache_entries_a_full_disk_left_are_deleted(tmp_path, 
     ]
     assert "jit_step-abc-cache" in caplog.text
     drop_empty_cache_entries(str(tmp_path / "none-yet"))  # no cache yet: nothing to do
+
+
+BOUNDED_CACHE = """
+import sys, jax, numpy as np
+from workloads.perf import configure_compile_cache
+configure_compile_cache(sys.argv[1], float(sys.argv[2]))
+for k in range(30):  # 30 programs of about 2.5 kB each
+    jax.jit(lambda x, k=k: x * k + 1)(np.arange(7.0)).block_until_ready()
+"""
+
+
+def test_a_local_compilation_cache_keeps_within_storage_compile_cache_gb(tmp_path):
+    # Every run with new hyperparameters compiles its own step: a storage root used nightly
+    # and by sweeps grew its cache without end. Its entries from before the bound have no
+    # `-atime` file, which JAX's eviction reads: every write to such a cache failed.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    (tmp_path / "from-before-cache").write_bytes(b"\x01" * 50_000)  # no atime file
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", BOUNDED_CACHE, str(tmp_path), "0.00008"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Error writing persistent compilation cache" not in out.stderr
+    entries = [p for p in tmp_path.iterdir() if p.name.endswith("-cache")]
+    assert sum(p.stat().st_size for p in entries) <= 80_000  # 0.00008 GB
+    assert len(entries) > 20  # the new programs kept, the oldest entry deleted first
+    assert not (tmp_path / "from-before-cache").exists()

@@ -34,6 +34,14 @@ class StorageConfig(_Strict):
         description="gs://: name of a prefect-gcp GcpCredentials block (None: Application "
         "Default Credentials).",
     )
+    compile_cache_gb: Float | None = Field(
+        20.0,
+        gt=0,
+        description="Most the JAX compilation cache of a local storage root (its "
+        "compile_cache/, shared by every run there) may hold, in GB: past it the least "
+        "recently used programs are deleted. None: no limit. A gs:// root's cache is "
+        "bounded by a bucket lifecycle rule instead (docs/gcp.md).",
+    )
 
     @field_validator("root")
     @classmethod

@@ -143,14 +143,44 @@ class CompileCounter:
             self.misses += 1
 
 
-def configure_compile_cache(cache_dir: str | None) -> None:
-    """Share compiled programs between attempts: a resumed attempt skips recompiling."""
+def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) -> None:
+    """Share compiled programs between attempts: a resumed attempt skips recompiling.
+
+    With `max_gb`, a local cache keeps at most that much, deleting the least recently used
+    programs first (JAX's own LRU, under a file lock every process of a slice shares).
+    Every run with new hyperparameters compiles its own step (the learning-rate schedule
+    is a constant of it), so a storage root used nightly and by sweeps grew its cache
+    without end. A `gs://` cache is left unbounded here: JAX would lock it with a lock
+    object that a killed worker leaves behind; a bucket lifecycle rule bounds it.
+    """
     if not cache_dir:
         return
     drop_empty_cache_entries(cache_dir)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    bounded = max_gb is not None and "://" not in cache_dir
+    if bounded:
+        stamp_unstamped_entries(cache_dir)
+    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 1e9) if bounded else -1)
+
+
+def stamp_unstamped_entries(cache_dir: str) -> None:
+    """Give each entry of a local cache that has no `-atime` file one, its last write:
+    JAX's eviction reads every entry's, and an entry written while eviction was off (every
+    cache made before it was bounded) has none, so every later write to the cache failed."""
+    try:
+        entries = {e.name: e for e in os.scandir(cache_dir)}
+    except OSError:
+        return  # none yet
+    for name, entry in entries.items():
+        key = name.removesuffix("-cache")
+        if key == name or f"{key}-atime" in entries:
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or evicted by another host
+            stamp = entry.stat().st_mtime_ns.to_bytes(8, "little")
+            with open(os.path.join(cache_dir, f"{key}-atime"), "xb") as fh:
+                fh.write(stamp)
 
 
 def drop_empty_cache_entries(cache_dir: str) -> None:

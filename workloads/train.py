@@ -121,7 +121,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     compiles = CompileCounter()
     report.status("starting", step=None)
     report.event("started", hosts=jax.process_count(), devices=jax.device_count())
-    configure_compile_cache(wcfg.compile_cache_dir)
+    configure_compile_cache(wcfg.compile_cache_dir, wcfg.pipeline.storage.compile_cache_gb)
     info = input.dataset_info(wcfg.dataset_dir)
     mesh = make_mesh(cfg.mesh)
     state = create_train_state(cfg.model, cfg.train, info.vocab_size, cfg.seed, mesh)
