@@ -129,18 +129,23 @@ def reap(
     for status in listed:
         run_id = status.labels.get("flow-run-id")
         try:
+            state = flow_run_state(run_id) if run_id else None
             reason = orphan_reason(
-                status.labels,
-                flow_run_state(run_id) if run_id else None,
-                now,
-                owner_gone(status.name) if owner_gone else None,
+                status.labels, state, now, owner_gone(status.name) if owner_gone else None
             )
             if reason:
                 provider.delete(status.name)
         except Exception as e:
             failed.append((status.name, e))
             continue
-        if reason:
+        if not reason:  # said, so a reaper run that deletes nothing shows what it saw
+            log.info(
+                "kept slice %s: not an orphan (flow run %s: %s; its ttl not past)",
+                status.name,
+                run_id or "unnamed",
+                state or "state unknown",
+            )
+        else:
             reaped.append((status.name, reason))
             if on_reaped:
                 on_reaped(status.name, reason)

@@ -73,14 +73,17 @@ def test_a_zone_that_refuses_the_list_does_not_hide_the_others(fake_tpu):
     ]
 
 
-def test_a_slice_whose_flow_run_this_api_does_not_know_is_left_to_its_ttl(fake_tpu):
+def test_a_slice_whose_flow_run_this_api_does_not_know_is_left_to_its_ttl(fake_tpu, caplog):
     # A `tpupipe run` from a laptop or CI records its flow run in its own temporary API:
     # a deployed reaper found "its flow run does not exist" and deleted the live slice.
     fake, host = fake_tpu
     provider = make_provider(host)
     provider.create(spec("tpupipe-live", {**LABELS, "run-id": "live"}))
 
-    assert reap(provider, lambda flow_run_id: None, now=NOW) == []
+    with caplog.at_level("INFO", logger="tasks.teardown"):
+        assert reap(provider, lambda flow_run_id: None, now=NOW) == []
+    # A reaper run that deletes nothing says what it kept (it said nothing).
+    assert "kept slice tpupipe-live: not an orphan (flow run f1: state unknown" in caplog.text
     assert [node for _, node in fake.nodes] == ["tpupipe-live"]
     ttl = provider.status("tpupipe-live").labels["ttl"]  # the provider's max lifetime
     assert reap(provider, lambda flow_run_id: None, now=float(ttl) + 1) == [
