@@ -51,9 +51,16 @@ def run(args: argparse.Namespace) -> int:
         print("--set needs --config (it overrides that file's fields)", file=sys.stderr)
         return 2
     root = root or DEFAULT_ROOT
-    if root.startswith("gs://") and (refusal := _no_credentials(root)):
-        print(f"tpupipe report: {refusal}", file=sys.stderr)
-        return 2
+    if root.startswith("gs://"):
+        # Without them the report retried its reads for 80 s and failed with six
+        # tracebacks that named no credentials.
+        from tasks.access import check_adc
+
+        try:
+            check_adc(root)
+        except ConfigError as exc:
+            print(f"tpupipe report: {exc}", file=sys.stderr)
+            return 2
     from tasks.pricing import PriceTableError
     from tasks.report import RunNotFound, format_report, load_report
 
@@ -76,16 +83,3 @@ def run(args: argparse.Namespace) -> int:
         # Outside the try: a closed stdout (`| head`) is not the plot's failure.
         print(f"plot: {plot}")
     return 0
-
-
-def _no_credentials(root: str) -> str | None:
-    """Why a `gs://` root cannot be read (its run directory is read with Application
-    Default Credentials, as a run writes it), or None. Without them the report retried its
-    reads for 80 s and failed with six tracebacks that named no credentials."""
-    from infra.gcp.clients import CredentialsError, storage_client
-
-    try:
-        storage_client()  # builds the client only: no API call
-    except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
-        return f"{root} is read with Application Default Credentials: {exc}"
-    return None

@@ -76,17 +76,24 @@ def check_source_access(config: PipelineConfig) -> None:
         ConfigError: naming dataset.sources and the fix.
     """
     remote = [s for s in config.dataset.sources if s.startswith("gs://")]
-    if not remote:
-        return
+    if remote:
+        check_adc(f"dataset.sources {remote[0]!r}")
+
+
+def check_adc(what: str) -> None:
+    """Application Default Credentials resolve (no API call): `what`, a `gs://` place read
+    through epath, gcsfs or tensorstore, is read with them.
+
+    Raises:
+        ConfigError: "`what` is read with Application Default Credentials: <why not>".
+    """
     from infra.gcp.clients import CredentialsError
     from infra.gcp.clients import storage_client as gcs_client
 
     try:
         gcs_client()
     except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
-        raise ConfigError(
-            f"dataset.sources {remote[0]!r} is read with Application Default Credentials: {exc}"
-        ) from None
+        raise ConfigError(f"{what} is read with Application Default Credentials: {exc}") from None
 
 
 def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:

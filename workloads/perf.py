@@ -155,47 +155,42 @@ def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) 
     """
     if not cache_dir:
         return
-    drop_empty_cache_entries(cache_dir)
+    bounded = max_gb is not None and "://" not in cache_dir
+    drop_empty_cache_entries(cache_dir, stamp=bounded)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    bounded = max_gb is not None and "://" not in cache_dir
-    if bounded:
-        stamp_unstamped_entries(cache_dir)
     jax.config.update("jax_compilation_cache_max_size", int(max_gb * 1e9) if bounded else -1)
 
 
-def stamp_unstamped_entries(cache_dir: str) -> None:
-    """Give each entry of a local cache that has no `-atime` file one, its last write:
-    JAX's eviction reads every entry's, and an entry written while eviction was off (every
-    cache made before it was bounded) has none, so every later write to the cache failed."""
+def drop_empty_cache_entries(cache_dir: str, stamp: bool = False) -> None:
+    """Delete the empty entries of a local compilation cache; with `stamp`, also give each
+    entry without an `-atime` file one, its last write. One pass over the directory, at
+    every workload's start.
+
+    Empty entries: JAX writes an entry in place and never writes one whose file exists, so
+    an entry a full disk left empty made every later run, of any run name, warn and compile
+    that program again, for good. (A GCS object is written whole or not at all.)
+
+    `-atime` files: JAX's eviction (`storage.compile_cache_gb`) reads every entry's, and an
+    entry written while eviction was off (every cache made before it was bounded) has none,
+    so every later write to the cache failed.
+    """
+    if "://" in cache_dir:
+        return
     try:
         entries = {e.name: e for e in os.scandir(cache_dir)}
     except OSError:
         return  # none yet
     for name, entry in entries.items():
         key = name.removesuffix("-cache")
-        if key == name or f"{key}-atime" in entries:
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile, or evicted by another host
-            stamp = entry.stat().st_mtime_ns.to_bytes(8, "little")
-            with open(os.path.join(cache_dir, f"{key}-atime"), "xb") as fh:
-                fh.write(stamp)
-
-
-def drop_empty_cache_entries(cache_dir: str) -> None:
-    """Delete the empty entries of a local compilation cache. JAX writes an entry in place
-    and never writes one whose file exists: an entry a full disk left empty made every
-    later run, of any run name, warn and compile that program again, for good. (A GCS
-    object is written whole or not at all.)"""
-    if "://" in cache_dir:
-        return
-    try:
-        entries = list(os.scandir(cache_dir))
-    except OSError:
-        return  # none yet
-    for entry in entries:
+        if key == name:
+            continue  # not an entry
         with contextlib.suppress(OSError):  # another host or run may be at it too
-            if entry.name.endswith("-cache") and entry.stat().st_size == 0:
+            st = entry.stat()
+            if st.st_size == 0:
                 os.unlink(entry.path)
                 log.warning("deleted the empty compilation cache entry %s", entry.path)
+            elif stamp and f"{key}-atime" not in entries:
+                with open(os.path.join(cache_dir, f"{key}-atime"), "xb") as fh:
+                    fh.write(st.st_mtime_ns.to_bytes(8, "little"))

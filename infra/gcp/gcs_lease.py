@@ -81,6 +81,7 @@ class GcsLease:
         # The token tells our own write from another holder's when a retried request was
         # answered 412 although its first try had succeeded.
         self.owner = {**owner, "token": secrets.token_hex(8)}
+        self._body = json.dumps(self.owner)  # what every write of ours puts in the object
         self.uri, self.ttl_s, self.renew_every_s = uri, ttl_s, renew_every_s
         self._clock = clock
         bucket, name = split_uri(uri)
@@ -98,10 +99,9 @@ class GcsLease:
             LeaseHeld: a live holder has it.
             LeaseError: Cloud Storage refused or failed a request (after its retries).
         """
-        body = json.dumps(self.owner)
         for _ in range(5):  # each turn loses only to another taker's write: never for long
             try:
-                self.generation = self._write(body, 0)
+                self.generation = self._write(0)
                 break
             except gexc.PreconditionFailed:
                 current = self._call("read", lambda: self._bucket.get_blob(self._name))
@@ -115,7 +115,7 @@ class GcsLease:
                 if age <= self.ttl_s and not _gone_from_this_host(holder):
                     raise LeaseHeld(self.uri, holder, age, self.ttl_s) from None
                 try:
-                    self.generation = self._write(body, current.generation)
+                    self.generation = self._write(current.generation)
                 except gexc.PreconditionFailed:
                     continue  # another taker was first: look again
                 log.warning(
@@ -148,10 +148,9 @@ class GcsLease:
             log.warning("could not delete the lock %s: %s", self.uri, exc)
 
     def _renew_loop(self) -> None:
-        body = json.dumps(self.owner)
         while not self._stop.wait(self.renew_every_s):
             try:
-                self.generation = self._write(body, self.generation)
+                self.generation = self._write(self.generation)
             except gexc.PreconditionFailed:
                 if self._stop.is_set():
                     return  # released meanwhile: the lock is gone, not taken
@@ -171,12 +170,12 @@ class GcsLease:
             except (LeaseError, gexc.GoogleAPIError, OSError) as exc:  # tried again next turn
                 log.warning("could not renew the lock %s: %s", self.uri, exc)
 
-    def _write(self, body: str, if_generation_match: int) -> int:
+    def _write(self, if_generation_match: int) -> int:
         blob = self._bucket.blob(self._name)
         self._call(
             "write",
             lambda: blob.upload_from_string(
-                body, content_type="application/json", if_generation_match=if_generation_match
+                self._body, content_type="application/json", if_generation_match=if_generation_match
             ),
         )
         return blob.generation
