@@ -21,6 +21,8 @@ from workloads.rundir import CONFIG, write_json_atomic
 from workloads.sources import DatasetError, SourceFile
 
 MANAGED_BY = "tpupipe"
+# The label naming, by a hash, the storage root a slice's run writes to (see `slice_labels`).
+ROOT_LABEL = "run-root"
 
 
 class RunPlan(BaseModel):
@@ -242,6 +244,12 @@ def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: st
     return os.fspath(path)
 
 
+def root_tag(plan: RunPlan) -> str:
+    """A label value standing for the run's storage root (a hash: a label holds 63
+    lowercase characters at most, which a `gs://` URI need not fit)."""
+    return hashlib.sha256(plan.storage_root.encode()).hexdigest()[:16]
+
+
 def slice_labels(
     plan: RunPlan, attempt: int | None = None, ttl_s: float | None = None, now: float | None = None
 ) -> dict[str, str]:
@@ -249,8 +257,11 @@ def slice_labels(
 
     `ttl` is the epoch second after which the reaper deletes the slice whatever else it
     knows: the backstop when an orchestrator died and its flow run's state is stale.
+    `run-root` tells the slices of one run name under two storage roots apart: they share
+    the slice name (two buckets' `nightly` in one project's zone), and neither run may
+    delete the other's slice (`tasks.training.owned_slice`).
     """
-    labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id}
+    labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id, ROOT_LABEL: root_tag(plan)}
     if ttl_s is not None:
         labels["ttl"] = str(int((now if now is not None else time.time()) + ttl_s))
     if plan.flow_run_id:

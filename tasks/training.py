@@ -22,10 +22,10 @@ from prefect import Task, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
-from infra.slices import ProvisioningError, SliceSpec, build_provider
+from infra.slices import ProvisioningError, SliceSpec, SliceState, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
-from tasks.plan import RunPlan, slice_labels
+from tasks.plan import ROOT_LABEL, RunPlan, root_tag, slice_labels
 from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
@@ -65,6 +65,35 @@ def _recalling_provider(config: PipelineConfig, plan: RunPlan):
             ", ".join(unreachable),
         )
     return provider
+
+
+class SliceNameTaken(RuntimeError):
+    """The run's slice name is held by a slice of a run of the same name under another
+    storage root (same project and zone, another bucket): neither run may delete it."""
+
+
+def foreign_slice(provider, plan: RunPlan) -> str | None:
+    """What holds the run's slice name, when a run under another storage root does; None
+    when the slice is this run's or there is none. A slice labelled before the `run-root`
+    label existed is taken as this run's, as it was before."""
+    status = provider.status(plan.slice_name)
+    theirs = status.labels.get(ROOT_LABEL)
+    if status.state is SliceState.NOT_FOUND or theirs in (None, root_tag(plan)):
+        return None
+    return (
+        f"slice {plan.slice_name!r} ({status.state.value}) belongs to a run of the same name "
+        f"under another storage root (its label {ROOT_LABEL}={theirs}; this run's root "
+        f"{plan.storage_root} is {ROOT_LABEL}={root_tag(plan)})"
+    )
+
+
+def delete_own_slice(provider, plan: RunPlan, logger) -> bool | None:
+    """Delete the run's slice, unless a run under another storage root holds its name:
+    that slice is logged and left standing (None). True if something was deleted."""
+    if (other := foreign_slice(provider, plan)) is not None:
+        logger.warning("%s: left standing", other)
+        return None
+    return provider.delete(plan.slice_name)
 
 
 def workload_command(config_path: str) -> list[str]:
@@ -107,7 +136,10 @@ def provision_slice(
     provider = _recalling_provider(config, plan)
     events = _events(plan, attempt)
     # A slice of this name left by a crashed orchestrator would block the create (or, in
-    # a zone this attempt does not use, be billed until its ttl).
+    # a zone this attempt does not use, be billed until its ttl). One of this name that
+    # a run under another storage root holds is not ours to delete: the create would.
+    if (other := foreign_slice(provider, plan)) is not None:
+        raise SliceNameTaken(f"{other}: wait for it to end, or choose another run_name")
     provider.delete(plan.slice_name)
     spec = SliceSpec(
         name=plan.slice_name,
@@ -205,10 +237,10 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        _delete_after(provider, plan.slice_name, events, logger)
+        _delete_after(provider, plan, events, logger)
 
 
-def _delete_after(provider, name: str, events: EventLog, logger) -> None:
+def _delete_after(provider, plan: RunPlan, events: EventLog, logger) -> None:
     """Delete the attempt's slice; a failed delete is logged, never raised.
 
     Raised from this `finally`, it would replace the attempt's own outcome: a preemption
@@ -218,9 +250,11 @@ def _delete_after(provider, name: str, events: EventLog, logger) -> None:
     the run loudly if it still cannot.
     """
     try:
-        deleted = provider.delete(name)
+        deleted = delete_own_slice(provider, plan, logger)
     except Exception as exc:  # see the docstring
-        logger.warning("could not delete slice %s after the attempt (tried again): %s", name, exc)
+        logger.warning(
+            "could not delete slice %s after the attempt (tried again): %s", plan.slice_name, exc
+        )
         return
     if deleted:
         events.emit("deleted")
@@ -238,11 +272,11 @@ def train_with_retries(config: PipelineConfig) -> Task:
 @task(name="teardown-slice", cache_policy=NONE)
 def teardown_slice(config: PipelineConfig, plan: RunPlan) -> bool:
     """Delete the run's slice; idempotent, so it is safe whatever happened before."""
-    deleted = _recalling_provider(config, plan).delete(plan.slice_name)
-    get_run_logger().info(
-        "slice %s %s", plan.slice_name, "deleted" if deleted else "was already gone"
-    )
-    return deleted
+    logger = get_run_logger()
+    deleted = delete_own_slice(_recalling_provider(config, plan), plan, logger)
+    if deleted is not None:
+        logger.info("slice %s %s", plan.slice_name, "deleted" if deleted else "was already gone")
+    return bool(deleted)
 
 
 @contextmanager

@@ -102,3 +102,53 @@ def test_a_gs_run_is_held_whatever_directory_its_orchestrator_started_in(tmp_pat
     ):
         pass
     assert lock_path(plans[1]) == tmp_path / "cache" / "tpupipe" / "locks" / "gx.lock"
+
+
+def test_a_run_of_the_same_name_under_another_root_never_deletes_the_others_slice(
+    tmp_path, monkeypatch
+):
+    """Two buckets' `nightly` share the slice name `tpupipe-nightly` in one project's zone,
+    and the run lock (per machine, per bucket) does not keep two machines apart: the second
+    run's attempt deleted the first one's live slice before creating its own."""
+    import dataclasses
+    import logging
+
+    from infra.slices import SliceSpec, SliceState
+    from tasks import training
+    from tasks.plan import slice_labels
+
+    monkeypatch.setattr(training, "get_run_logger", lambda: logging.getLogger("test"))
+    first = tiny_config(tmp_path / "a", "run_name=nightly")
+    second = tiny_config(tmp_path / "b", "run_name=nightly")
+    theirs = plan_run(first)
+    # Local roots keep their slice registries apart; a gs:// root's is the working
+    # directory's, as the provider's zone is for every bucket.
+    ours = plan_run(second).model_copy(update={"slices_root": theirs.slices_root})
+    provider = build_provider("local", theirs.slices_root, first.slice)
+    spec = SliceSpec(
+        name=theirs.slice_name,
+        labels=slice_labels(theirs),
+        devices=1,
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        log_path=str(tmp_path / "theirs.log"),
+    )
+    provider.create(spec)
+    try:
+        with pytest.raises(
+            training.SliceNameTaken,
+            match=r"slice 'tpupipe-nightly' \(READY\) belongs to a run of the same name under "
+            r"another storage root .*choose another run_name",
+        ):
+            training.provision_slice.fn(second, ours, "config.json", 1, "lease")
+        assert training.teardown_slice.fn(second, ours) is False
+        events = training._events(ours, 1)
+        training._delete_after(provider, ours, events, logging.getLogger("test"))
+        assert provider.status(theirs.slice_name).state is SliceState.READY
+
+        # Its own run deletes it; so does a run whose slice predates the label.
+        assert training.teardown_slice.fn(first, theirs) is True
+        provider.create(dataclasses.replace(spec, labels={"run-id": "nightly"}))
+        assert training.teardown_slice.fn(second, ours) is True
+        assert provider.status(theirs.slice_name).state is SliceState.NOT_FOUND
+    finally:
+        provider.delete(theirs.slice_name, grace_s=0)

@@ -110,7 +110,9 @@ def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
     )
     rerun = make_provider(host, zones=("us-east5-b",))
     monkeypatch.setattr(training, "_provider", lambda config, plan: rerun)
-    plan = SimpleNamespace(run_dir=str(tmp_path), run_name="r1", slice_name="tpupipe-r1")
+    plan = SimpleNamespace(
+        run_dir=str(tmp_path), run_name="r1", slice_name="tpupipe-r1", storage_root="gs://b/r"
+    )
 
     @flow
     def teardown_of_the_rerun() -> bool:
