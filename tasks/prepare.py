@@ -21,7 +21,7 @@ from tasks.run_owner import check_run_owner
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig
 from workloads.config_file import ConfigError
-from workloads.config_memory import host_memory_bytes, memory_problems
+from workloads.config_memory import eval_memory_problem, host_memory_bytes, memory_problems
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
 from workloads.sources import DatasetWriteError
@@ -283,6 +283,11 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
         dataset_dir = publish_dataset(result.dataset_dir, plan.datasets_root, config)
         result = data.ShardResult(dataset_dir, result.manifest, result.cached)
     splits = result.manifest["splits"]
+    vocab = result.manifest["tokenizer"]["vocab_size"]
+    # Known once the split is: a batch larger than memory failed only after training.
+    problem = eval_memory_problem(config, splits["eval"]["records"], vocab, host_memory_bytes())
+    if problem:
+        raise ConfigError(problem)
     get_run_logger().info(
         "dataset %s (%s): %d train / %d eval sequences",
         result.dataset_dir,

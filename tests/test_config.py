@@ -47,6 +47,26 @@ def test_field_error_points_at_its_line(tmp_path):
         load_config(path)
 
 
+def test_integers_past_what_can_train_or_be_stored_are_refused_naming_field_and_line(tmp_path):
+    # optax counts steps in int32; Prefect's API and database hold 64-bit integers.
+    path = write(tmp_path, "train:\n  steps: 2147483648\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: train.steps: .*less than or equal to 21"):
+        load_config(path)
+    path = write(tmp_path, "eval:\n  batch_size: 8\n  max_batches: 100000000000000000000\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: eval.max_batches: .*does not fit a 64-bit"):
+        load_config(path)
+    # What a flow run's parameters are checked against when it is created.
+    integers = [
+        prop
+        for definition in PipelineConfig.model_json_schema()["$defs"].values()
+        for field in definition["properties"].values()
+        for prop in field.get("anyOf", [field])
+        if prop.get("type") == "integer"
+    ]
+    assert len(integers) > 20
+    assert all(p["minimum"] >= -(2**63) and p["maximum"] <= 2**63 - 1 for p in integers)
+
+
 def test_unknown_key_is_an_error(tmp_path):
     path = write(tmp_path, "train:\n  stepz: 10\n")
     with pytest.raises(ConfigError, match=rf"{path}:2: train.stepz: Extra inputs"):

@@ -255,3 +255,46 @@ def test_the_state_on_a_device_is_what_the_estimate_counts(tmp_path):
     )
     # The estimate also counts the gradients, a fourth of it, which live only in the step.
     assert held == config_memory.estimate_memory(cfg, 257).state * 3 // 4
+
+
+def test_an_eval_batch_past_the_hosts_memory_is_named(tmp_path):
+    config = tiny_config(tmp_path, "eval.batch_size=1000000")
+    problem = config_memory.eval_memory_problem(config, 2_000_000, 257, THIS_HOST)
+    # 10**6 rows x 32 tokens x 384 (257 padded) x 4 bytes of logits.
+    assert problem.startswith(
+        "eval.batch_size = 1000000: a batch of 1000000 of the eval split's 2000000 records, "
+        "dataset.seq_len = 32 tokens each, keeps float32 logits over a vocabulary of 384 of "
+        "45.8 GiB"
+    )
+    assert "more than this host's 24.0 GiB of memory" in problem
+    assert problem.endswith("lower eval.batch_size")
+    # A batch is never larger than the split (workloads.input.eval_batches): "all of it".
+    assert config_memory.eval_memory_problem(config, 5_000, 257, THIS_HOST) is None
+    assert config_memory.eval_memory_problem(config, 2_000_000, 257, None) is None
+
+
+def test_an_eval_batch_this_host_cannot_hold_stops_the_run_before_provisioning(
+    tmp_path, monkeypatch, capsys
+):
+    """eval.batch_size = 10**12 passed validation, trained the whole run, then failed
+    allocating 7.28 TiB in the evaluation."""
+    from tasks import prepare
+    from workloads import data
+
+    overrides = ["run_name=evalmem", "eval.batch_size=1000000000000"]
+    config = tiny_config(tmp_path, *overrides)
+    records = data.shard_dataset(config.dataset, str(tmp_path / "count")).manifest["splits"]
+    records = records["eval"]["records"]
+    # A host that holds the training, but not the logits of the whole eval split at once.
+    host = next(h for h in range(MIB, 1024 * MIB, MIB // 16) if not memory_problems(config, h))
+    assert config_memory.eval_memory_problem(config, records, 257, host) is not None
+    monkeypatch.setattr(prepare, "host_memory_bytes", _host(host))
+
+    args = ["run", "--config", str(REPO / "configs" / "tiny.yaml")]
+    args += [a for o in (f"storage.root={tmp_path}", *overrides) for a in ("--set", o)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"eval.batch_size = 1000000000000: a batch of {records} of the eval split's" in err
+    run_dir = tmp_path / "runs" / "evalmem"
+    assert not (run_dir / "events.jsonl").exists()  # no attempt: nothing was provisioned
+    assert not (run_dir / "config.json").exists()

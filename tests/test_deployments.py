@@ -148,6 +148,21 @@ def test_every_deployment_is_registered_with_its_schedule_and_pool(stack):
     assert deployments["tpu-training-pipeline/train"].enforce_parameter_schema
 
 
+def test_an_integer_beyond_64_bits_from_the_ui_is_refused_and_the_runs_list_still_reads(stack):
+    """`train.steps = 10**30` from the Run form was stored: the run trained without end, and
+    every listing of flow runs (the UI's Runs page) failed with HTTP 500 until it was
+    deleted."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    config = tiny_config(stack.root, "run_name=huge").model_dump(mode="json")
+    for section, field, value in (("train", "steps", 10**30), ("eval", "max_batches", 2**64)):
+        parameters = {"config": {**config, section: {**config[section], field: value}}}
+        with pytest.raises(PrefectHTTPStatusError, match=rf"409 .*{value}"):
+            run_deployment_via_api(stack, "tpu-training-pipeline/train", parameters)
+    with stack.client() as client:
+        client.read_flow_runs()  # raised HTTP 500 for as long as such a run was stored
+
+
 def test_train_from_the_api_completes_and_its_metrics_land(stack):
     config = tiny_config(stack.root, "run_name=from-api")
     flow_run = run_deployment_via_api(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from workloads.host_memory import host_memory_bytes
 
-__all__ = ["estimate_memory", "host_memory_bytes", "memory_problems"]
+__all__ = ["estimate_memory", "eval_memory_problem", "host_memory_bytes", "memory_problems"]
 
 from workloads.config_model import layer_matmul_params, padded_vocab_size, param_count
 from workloads.vocab import BYTE_VOCAB_SIZE
@@ -138,6 +138,41 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
     return []
 
 
+def eval_memory_problem(
+    cfg: PipelineConfig, eval_records: int, vocab_size: int, host_bytes: int | None
+) -> str | None:
+    """Evaluating one batch does not fit this host: the message naming `eval.batch_size`.
+
+    Evaluation runs in the orchestrator, on one device (tasks/checks.py), after training:
+    an `eval.batch_size` of 10**12 passed validation, trained the whole run and then failed
+    allocating 7.28 TiB. A batch holds min(eval.batch_size, the split's records) rows
+    (`workloads.input.eval_batches`); counted are its float32 logits and the parameters,
+    a lower bound, as for training.
+
+    Args:
+        cfg: a validated config.
+        eval_records: records in the dataset's eval split.
+        vocab_size: the dataset's tokenizer vocabulary.
+        host_bytes: this machine's memory; None skips the check.
+    """
+    if not host_bytes:
+        return None
+    rows = min(cfg.eval.batch_size, max(eval_records, 1))
+    vocab = padded_vocab_size(vocab_size)
+    logits = rows * cfg.dataset.seq_len * vocab * 4
+    params = param_count(cfg.model, vocab_size) * _BYTES[cfg.model.param_dtype]
+    if logits + params <= host_bytes:
+        return None
+    return (
+        f"eval.batch_size = {cfg.eval.batch_size}: a batch of {rows} of the eval split's "
+        f"{eval_records} records, dataset.seq_len = {cfg.dataset.seq_len} tokens each, keeps "
+        f"float32 logits over a vocabulary of {vocab} of {_gib(logits)}, and with the "
+        f"model's parameters ({_gib(params)}) that is more than this host's "
+        f"{_gib(host_bytes)} of memory, where the orchestrator evaluates the run after "
+        "training it: lower eval.batch_size"
+    )
+
+
 def _device_memory(cfg: PipelineConfig, host_bytes: int | None) -> tuple[int, str] | None:
     """Bytes one device can hold and the words that say where the figure comes from."""
     s = cfg.slice
@@ -170,6 +205,8 @@ def _amount(cfg: PipelineConfig, per_device: int) -> str:
 
 
 def _gib(n: int) -> str:
+    if n < GIB:  # "0.0 GiB" said nothing
+        return f"{n / (1 << 20):.1f} MiB"
     return f"{n / GIB:.1f} GiB"
 
 

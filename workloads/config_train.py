@@ -12,6 +12,9 @@ from pydantic import Field, ValidationInfo, field_validator
 from workloads.config_types import Float, Int
 from workloads.config_types import StrictModel as _Strict
 
+# optax counts steps in int32 (and stops counting at its maximum): the learning rate
+# schedule of a longer run would stop where that count does.
+MAX_STEPS = 2**31 - 1
 # Hyperparameters become float32 on the device: a larger value would be inf there.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -19,10 +22,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 class TrainConfig(_Strict):
     """Optimisation and checkpointing."""
 
-    steps: Int = Field(100, ge=1, description="Optimizer steps in the whole run.")
+    steps: Int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps in the whole run.")
     batch_size: Int = Field(32, ge=1, description="Global batch size in sequences.")
     learning_rate: Float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
-    warmup_steps: Int = Field(10, ge=0, description="Linear warmup steps before cosine decay.")
+    warmup_steps: Int = Field(
+        10, ge=0, le=MAX_STEPS, description="Linear warmup steps before cosine decay."
+    )
     weight_decay: Float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
     checkpoint_every: Int = Field(50, ge=1, description="Save a checkpoint every K steps.")
     keep_checkpoints: Int = Field(

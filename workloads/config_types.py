@@ -12,13 +12,37 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Strict
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Strict,
+    field_validator,
+)
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
 class StrictModel(BaseModel):
-    """Base of the config models: a typo in a YAML file must not be silently ignored."""
+    """Base of the config models: a typo in a YAML file must not be silently ignored, and
+    no integer passes the 64 bits every integer field's schema allows (`Int`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_64_bits(cls, value: Any) -> Any:
+        # Here, not in `Int`: a validator in the type kept pydantic from putting a field's
+        # own `ge` into the JSON schema of an optional field (`Int | None`).
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not I64_MIN <= value <= I64_MAX
+        ):
+            raise ValueError(f"{value} does not fit a 64-bit integer (at most {I64_MAX})")
+        return value
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -27,8 +51,26 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
-# An integer field: booleans, floats (even 12.0) and strings ("12") are refused.
-Int = Annotated[int, Strict()]
+class _Within64Bits:
+    """An integer's JSON schema bounds, where its field sets none: 64 bits.
+
+    Prefect stores a flow run's parameters and checks them against the deployment's schema
+    when the run is created. `train.steps = 10**30` sent from the UI was stored, and every
+    later listing of flow runs (the UI's Runs page) failed with HTTP 500 ("Integer exceeds
+    64-bit range") until that run was deleted. With a maximum, the API refuses it at once.
+    """
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        if schema.get("type") == "integer":
+            schema.setdefault("minimum", I64_MIN)
+            schema.setdefault("maximum", I64_MAX)
+        return schema
+
+
+# An integer field: booleans, floats (even 12.0) and strings ("12") are refused, and so is
+# one beyond 64 bits (the JSON schema here, `StrictModel` when validating).
+Int = Annotated[int, Strict(), _Within64Bits()]
 
 # A float field: finite, never a boolean. Ints and numeric strings stay accepted: PyYAML
 # reads `1e-3` (no dot) as a string, and `learning_rate: 1e-3` is how people write it.

@@ -208,7 +208,9 @@ def eval_batches(
     """The eval split in order, in batches of constant shape.
 
     The last partial batch is filled with all-EOD rows of weight 0, so every real record is
-    scored once and nothing else is.
+    scored once and nothing else is. A split smaller than `batch_size` is one batch of its
+    records: padding it to an `eval.batch_size` far above the split's size (a user's "all of
+    it in one batch") built, and scored, mostly padding.
 
     Args:
         dataset_dir: A dataset directory written by `workloads.data.shard_dataset`.
@@ -224,6 +226,7 @@ def eval_batches(
     eod, length = manifest["tokenizer"]["eod_token"], manifest["record"]["length"]
     stack = record_stacker(manifest)
     total = len(source)
+    batch_size = min(batch_size, max(total, 1))
     for b, start in enumerate(range(0, total, batch_size)):
         if b >= max_batches:
             return
