@@ -55,6 +55,9 @@ def test_integers_past_what_can_train_or_be_stored_are_refused_naming_field_and_
     path = write(tmp_path, "eval:\n  batch_size: 8\n  max_batches: 100000000000000000000\n")
     with pytest.raises(ConfigError, match=rf"{path}:3: eval.max_batches: .*does not fit a 64-bit"):
         load_config(path)
+    # A finished workload's slice is billed until the next poll sees it.
+    with pytest.raises(ConfigError, match=r"slice.poll_interval_s: .*less than or equal to 300"):
+        load_config(write(tmp_path, "slice:\n  poll_interval_s: 3600\n"))
     # What a flow run's parameters are checked against when it is created.
     integers = [
         prop

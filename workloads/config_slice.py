@@ -91,7 +91,13 @@ class SliceConfig(_Strict):
         description="Hosts (one JAX process each) the devices are spread over (gcp: taken "
         "from accelerator_type).",
     )
-    poll_interval_s: Float = Field(1.0, gt=0, description="Seconds between slice state checks.")
+    poll_interval_s: Float = Field(
+        1.0,
+        gt=0,
+        le=300,
+        description="Seconds between slice state checks (at most 300: a slice whose workload "
+        "has finished is billed until the next check sees it and deletes it).",
+    )
     heartbeat_timeout_s: Float = Field(
         600.0,
         gt=0,
