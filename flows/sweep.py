@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.local_run import orchestrate_here
 from flows.pipeline import tpu_training_pipeline
+from tasks.landing import INTERRUPTED_WAIT_S
 from tasks.sweep import plan_sweep, run_trials, sweep_lock
 from tasks.sweep_deployed import launch_deployment
 from tasks.sweep_models import SweepInterrupted, SweepPlan, TrialOutcome, outcome_from_state
@@ -62,9 +63,11 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
             results, interrupted = run_trials(plan, launch, partial(land_early, plan)), None
         except SweepInterrupted as exc:  # Ctrl-C, SIGTERM: record what ran, then stop
             results, interrupted = exc.results, exc.cause
-        results = attach_landed_runs(plan, results)
+        # A stopped sweep waits for its metrics sink only briefly, as a stopped run does.
+        wait = None if interrupted is None else INTERRUPTED_WAIT_S
+        results = attach_landed_runs(plan, results, wait)
         publish_leaderboard(plan, results)
-        land_sweep(plan, results)
+        land_sweep(plan, results, wait)
     if interrupted is not None:
         raise interrupted
     return summarize(plan, results)

@@ -3,9 +3,12 @@
 A backend that cannot work failed the run only when it was first used: a storage block
 after sharding (a bare CredentialsError), a BigQuery block or a dataset in another
 location at landing, after the TPU hours were spent. Each check here builds the client the
-run will build, with no API call, except one `datasets.get` for the BigQuery sink: the run
-already calls the storage API before provisioning (gs:// sources, the run directory), and
-a dataset's location can be known no other way. Every refusal names the fields to fix.
+run will build, with no API call, except for the BigQuery sink, whose dataset and tables
+are made ready (`ensure_tables`): the run already calls the storage API before
+provisioning (gs:// sources, the run directory), and a dataset's location, whether the
+credentials may create it, and whether an existing table can take the rows can be known
+no other way. A dataset they could not create, or a table whose column changed type, was
+found only when landing, after the run had trained. Every refusal names the fields to fix.
 """
 
 from __future__ import annotations
@@ -96,13 +99,22 @@ def check_adc(what: str) -> None:
         raise ConfigError(f"{what} is read with Application Default Credentials: {exc}") from None
 
 
+# How long the check before a run retries each BigQuery call: an unreachable BigQuery
+# failed the run's start after 300 s (a call's full deadline, `RETRY`).
+PRESTART_WAIT_S = 60.0
+
+
 def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:
-    """The BigQuery sink's credentials resolve, and its dataset, if it exists, is in
-    metrics.location (one `datasets.get`; a missing dataset is created at landing).
+    """The BigQuery sink's credentials resolve, and its dataset and tables are ready: the
+    dataset in metrics.location (created there if missing), each table created or migrated
+    to its row model (`BigQuerySink.ensure_tables`, which landing repeats).
 
     Raises:
         ConfigError: naming metrics.project / metrics.credentials_block, metrics.location
-            and the dataset's own location, or metrics.dataset when it may not be read.
+            and the dataset's own location, metrics.dataset when it may not be read or
+            created, or the table whose column changed type.
+        google.api_core.exceptions.GoogleAPICallError / RetryError: BigQuery could not be
+            reached within `PRESTART_WAIT_S` a call; the message names the call.
     """
     metrics = config.metrics
     if metrics.sink != "bigquery":
@@ -111,21 +123,24 @@ def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:
 
     from infra.gcp.clients import CredentialsError
     from infra.metrics import build_sink
-    from infra.metrics.bigquery_sink import LocationError
+    from infra.metrics.bigquery_sink import LocationError, SchemaError
 
     try:
-        sink = build_sink("bigquery", plan.metrics_path, metrics)
+        sink = build_sink("bigquery", plan.metrics_path, metrics, PRESTART_WAIT_S)
     except (CredentialsError, OSError) as exc:  # OSError: no project could be determined
         raise ConfigError(
             f"metrics.sink 'bigquery' with metrics.project={metrics.project!r} and "
             f"metrics.credentials_block={metrics.credentials_block!r}: {exc}"
         ) from None
     try:
-        sink.check_location()
+        sink.ensure_tables()
     except LocationError as exc:
         raise ConfigError(f"metrics.location = {metrics.location!r}: {exc}") from None
-    except gexc.Forbidden as exc:  # landing looks the dataset up first: it would fail too
+    except SchemaError as exc:
+        raise ConfigError(f"metrics.dataset = {metrics.dataset!r}: {exc}") from None
+    except gexc.Forbidden as exc:  # landing would fail the same way, after the training
         raise ConfigError(
-            f"metrics.dataset = {metrics.dataset!r}: {sink.dataset} cannot be read with "
-            f"these credentials ({exc.message}); grant roles/bigquery.dataEditor on it"
+            f"metrics.dataset = {metrics.dataset!r}: these credentials may not use "
+            f"{sink.dataset} ({exc.message}); grant roles/bigquery.dataEditor on it, and "
+            "bigquery.datasets.create on the project while it does not exist (or create it)"
         ) from None

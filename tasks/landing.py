@@ -26,7 +26,7 @@ from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
 
 __all__ = [
-    "INTERRUPTED_LOCK_WAIT_S",
+    "INTERRUPTED_WAIT_S",
     "build_rows",
     "cost_text",
     "describe_error",
@@ -50,10 +50,15 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-# How long a stopped run's row waits for a DuckDB file another process holds (a notebook,
-# another run's landing) before it gives up: `docker stop` sends SIGKILL 10 s after its
-# SIGTERM, and the crash hooks and the temporary API server's stop still come after it.
-INTERRUPTED_LOCK_WAIT_S = 5.0
+# How long a stopped run's row waits for its sink before it gives up: for a DuckDB file
+# another process holds (a notebook, another run's landing), or retrying each BigQuery call
+# (an unreachable BigQuery held a SIGTERMed run for 300 s more). `docker stop` sends
+# SIGKILL 10 s after its SIGTERM, and the crash hooks and the temporary API server's stop
+# still come after it.
+INTERRUPTED_WAIT_S = 5.0
+# How long the row of a run whose landing failed waits: the sink was just waited for, to
+# its full deadline, and a second full one doubled the run's end (570 s with BigQuery down).
+AFTER_FAILED_LANDING_WAIT_S = 30.0
 
 
 def land_failure(
@@ -69,16 +74,18 @@ def land_failure(
     The row is best effort: if landing fails too, that is logged and noted on `exc`, and
     `exc` goes on, so a run's cause (a workload error, a preemption budget spent, Ctrl-C)
     is never replaced by its metrics' error. A run stopped by a signal (Ctrl-C, SIGTERM:
-    not an `Exception`) waits at most `INTERRUPTED_LOCK_WAIT_S` for the metrics file, so
-    it still exits promptly. Landing a failed run keeps what an earlier invocation landed
-    and this one has no value for (its evaluation, its step rows): see
-    `infra.metrics.rows`.
+    not an `Exception`) waits at most `INTERRUPTED_WAIT_S` for its sink, so it still exits
+    promptly. A run that failed with its evaluation done failed in its landing, the last
+    step that can raise: its row waits `AFTER_FAILED_LANDING_WAIT_S`. Landing a failed run
+    keeps what an earlier invocation landed and this one has no value for (its
+    evaluation, its step rows): see `infra.metrics.rows`.
     """
-    wait = None if isinstance(exc, Exception) else INTERRUPTED_LOCK_WAIT_S
+    if not isinstance(exc, Exception):
+        wait = INTERRUPTED_WAIT_S
+    else:
+        wait = AFTER_FAILED_LANDING_WAIT_S if result is not None else None
     try:
-        land_metrics(
-            config, plan, started_at, verified, result, describe_error(exc), lock_wait_s=wait
-        )
+        land_metrics(config, plan, started_at, verified, result, describe_error(exc), wait_s=wait)
     except Exception as landing:
         get_run_logger().warning("could not land the failed run's row: %s", landing)
         exc.add_note(f"(its runs row was not landed: {type(landing).__name__}: {landing})")
@@ -92,7 +99,7 @@ def land_metrics(
     verified: VerifiedCheckpoint | None,
     result: EvalResult | None,
     error: str | None = None,
-    lock_wait_s: float | None = None,
+    wait_s: float | None = None,
 ) -> RunRow:
     """Land the run idempotently: landing twice leaves one copy of every row.
 
@@ -103,8 +110,9 @@ def land_metrics(
         verified: the verified final checkpoint, if this invocation got that far.
         result: its evaluation, if this invocation got that far.
         error: why the run failed; None lands it completed.
-        lock_wait_s: for DuckDB, how long to wait for a file another process holds
-            (None: the sink's default).
+        wait_s: how long the sink may wait for its backend (`infra.metrics.build_sink`:
+            a DuckDB file another process holds, each BigQuery call's retries); None: the
+            sink's default.
 
     Returns:
         The `runs` row as the sink now holds it, with the results it kept from an earlier
@@ -122,7 +130,7 @@ def land_metrics(
             describe_steps(missing),
             run.final_step,
         )
-    sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, lock_wait_s)
+    sink = build_sink(config.metrics.sink, plan.metrics_path, config.metrics, wait_s)
     sink.ensure_tables()
     stored = sink.read_run(run.run_id)
     # Checked at the start too (`check_run_owner`), but another storage root's run of this

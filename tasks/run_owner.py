@@ -21,8 +21,8 @@ from workloads.config_file import ConfigError
 
 log = logging.getLogger(__name__)
 
-# A DuckDB file another process holds is not waited for: the check passes (landing waits
-# for it, and says so if it must give up).
+# A DuckDB file another process holds is not waited for, nor a failed BigQuery read
+# retried: the check passes (landing waits for its sink, and says so if it must give up).
 LOCK_WAIT_S = 0.0
 
 

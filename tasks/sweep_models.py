@@ -70,9 +70,10 @@ class SweepInterrupted(Exception):
 Launcher = Callable[[Trial, SweepPlan], TrialOutcome]
 
 
-def read_run(base: PipelineConfig, run_id: str) -> RunRow | None:
-    """The trial's `runs` row from the sweep's metrics sink."""
-    return build_sink(base.metrics.sink, metrics_path(base), base.metrics).read_run(run_id)
+def read_run(base: PipelineConfig, run_id: str, wait_s: float | None = None) -> RunRow | None:
+    """The trial's `runs` row from the sweep's metrics sink (`wait_s`: see `build_sink`)."""
+    sink = build_sink(base.metrics.sink, metrics_path(base), base.metrics, wait_s)
+    return sink.read_run(run_id)
 
 
 def crashed(exc: Exception) -> TrialOutcome:

@@ -11,6 +11,7 @@ from prefect.cache_policies import NONE
 from pydantic import BaseModel
 
 from infra.metrics import RunRow, SweepRow, build_sink
+from tasks.landing import INTERRUPTED_WAIT_S
 from tasks.plan import metrics_path
 from tasks.sweep_models import SweepPlan, TrialResult, read_run
 
@@ -175,21 +176,27 @@ def artifact_key(sweep_id: str) -> str:
 
 
 @task(name="collect-trial-runs", cache_policy=NONE)
-def attach_landed_runs(plan: SweepPlan, results: list[TrialResult]) -> list[TrialResult]:
+def attach_landed_runs(
+    plan: SweepPlan, results: list[TrialResult], wait_s: float | None = None
+) -> list[TrialResult]:
     """The results with each trial's `runs` row, read from the sink for the trials whose
     launcher had none (a failed run lands its row too: its chip-hours were spent).
 
     Only a row the trial's own flow run landed counts: a trial refused before landing
     anything would otherwise be credited with the row an earlier run of its name left
-    (an earlier sweep of the same name), its eval loss and chip-hours."""
-    out = []
+    (an earlier sweep of the same name), its eval loss and chip-hours. Once a read fails
+    (after its retries, within `wait_s`: see `build_sink`), the other trials' are not
+    tried: with BigQuery unreachable, each waited its 300 s in turn, after a SIGTERM."""
+    out, readable = [], True
     for r in results:
-        if r.run is None and r.flow_run_id:
+        if r.run is None and r.flow_run_id and readable:
             try:
-                run = read_run(plan.base, r.run_id)
+                run = read_run(plan.base, r.run_id, wait_s)
             except Exception as exc:  # a missing cost must not lose the sweep's results
-                get_run_logger().warning("trial %d: no runs row read: %s", r.index, exc)
-                run = None
+                get_run_logger().warning(
+                    "trial %d: no runs row read, nor any later trial's: %s", r.index, exc
+                )
+                run, readable = None, False
             if run is not None and run.flow_run_id == r.flow_run_id:
                 r = r.model_copy(update={"run": run})
         out.append(r)
@@ -210,9 +217,10 @@ def publish_leaderboard(plan: SweepPlan, results: list[TrialResult]) -> str:
 
 
 @task(name="land-sweep", cache_policy=NONE)
-def land_sweep(plan: SweepPlan, results: list[TrialResult]) -> int:
-    """Land the sweep's trials in the `sweeps` table; landing again replaces them."""
-    sink = build_sink(plan.base.metrics.sink, metrics_path(plan.base), plan.base.metrics)
+def land_sweep(plan: SweepPlan, results: list[TrialResult], wait_s: float | None = None) -> int:
+    """Land the sweep's trials in the `sweeps` table; landing again replaces them.
+    `wait_s`: how long the sink may wait for its backend (`build_sink`)."""
+    sink = build_sink(plan.base.metrics.sink, metrics_path(plan.base), plan.base.metrics, wait_s)
     landed = sink.land_sweep(sweep_rows(plan, results))
     get_run_logger().info("landed %d trials of sweep %s", landed, plan.sweep_id)
     return landed
@@ -223,6 +231,6 @@ def land_early(plan: SweepPlan, results: list[TrialResult]) -> None:
     way to stop; the landing once they have stopped replaces these rows. Never raises:
     the sweep still has its trials to stop."""
     try:
-        land_sweep(plan, results)
+        land_sweep(plan, results, INTERRUPTED_WAIT_S)
     except Exception as exc:
         get_run_logger().warning("could not land the interrupted sweep's trials yet: %s", exc)

@@ -69,3 +69,18 @@ def test_a_row_that_cannot_be_landed_does_not_replace_the_runs_error(prefect_har
     with pytest.raises(RuntimeError, match="loss is not finite") as err:
         fails()
     assert "runs row was not landed: OSError" in " ".join(err.value.__notes__)
+
+
+def test_a_failed_runs_row_waits_for_its_sink_by_how_the_run_ended(monkeypatch):
+    """With BigQuery unreachable, a SIGTERMed run's row retried each call for 300 s before
+    the run exited, and a run whose landing had just failed after 300 s retried 300 s more."""
+    import tasks.landing as landing
+
+    waits = []
+    monkeypatch.setattr(landing, "land_metrics", lambda *a, wait_s: waits.append(wait_s))
+    monkeypatch.setattr(landing, "describe_error", str)
+    evaluated = object()  # an EvalResult: the landing was the step that failed
+    landing.land_failure(None, None, None, None, None, RuntimeError("workload exited 1"))
+    landing.land_failure(None, None, None, None, evaluated, RuntimeError("503 from BigQuery"))
+    landing.land_failure(None, None, None, None, evaluated, KeyboardInterrupt())
+    assert waits == [None, landing.AFTER_FAILED_LANDING_WAIT_S, landing.INTERRUPTED_WAIT_S]

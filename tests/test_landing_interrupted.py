@@ -178,7 +178,7 @@ def test_a_stopped_run_waits_for_a_held_metrics_file_only_briefly(finished, tmp_
     # A stopped run's row waited the sink's 30 s for a held file: `docker stop` sends
     # SIGKILL after 10 s, before the crash hooks and the API server's stop had run.
     import flows.pipeline as pipeline
-    from tasks.landing import INTERRUPTED_LOCK_WAIT_S
+    from tasks.landing import INTERRUPTED_WAIT_S
 
     stopped_at = []
 
@@ -190,7 +190,7 @@ def test_a_stopped_run_waits_for_a_held_metrics_file_only_briefly(finished, tmp_
     metrics = tmp_path / "m.duckdb"
     with held(metrics, tmp_path / "release"), pytest.raises(KeyboardInterrupt) as err:
         rerun(finished, metrics)
-    assert time.monotonic() - stopped_at[0] < INTERRUPTED_LOCK_WAIT_S + 10
+    assert time.monotonic() - stopped_at[0] < INTERRUPTED_WAIT_S + 10
     assert "runs row was not landed" in " ".join(err.value.__notes__)
 
 

@@ -184,6 +184,49 @@ def test_a_failed_trial_is_not_credited_with_an_earlier_runs_row(tmp_path):
     assert attach_landed_runs.fn(plan, [result("earlier")])[0].run.chip_hours == 0.5
 
 
+def test_an_unreadable_sink_is_read_once_not_once_a_trial(tmp_path, monkeypatch, prefect_harness):
+    """With BigQuery unreachable, a stopped sweep read each trial's row in turn, each for
+    the call's full 300 s: 15 minutes after its SIGTERM it was still reading."""
+    from datetime import UTC, datetime
+
+    from prefect import flow
+
+    from tasks import sweep_results
+    from tasks.sweep import SweepPlan, TrialResult
+
+    reads = []
+
+    def unreachable(base, run_id, wait_s=None):
+        reads.append((run_id, wait_s))
+        raise ConnectionError("Remote end closed connection without response")
+
+    monkeypatch.setattr(sweep_results, "read_run", unreachable)
+    now = datetime.now(UTC)
+    plan = SweepPlan(
+        sweep_id="s", trials=[], via="subflow", trial_deployment="x/y", chip_limit="c",
+        chips=8, objective="eval_loss", max_parallel=1, base=tiny_config(tmp_path),
+    )  # fmt: skip
+    stopped = dict(params={}, chips=8, status="failed", error="stopped", waited_s=0.0)
+    results = [
+        TrialResult(
+            index=i,
+            run_id=f"s-t0{i}",
+            flow_run_id=f"fr{i}",
+            started_at=now,
+            finished_at=now,
+            **stopped,
+        )
+        for i in range(3)
+    ]
+
+    @flow
+    def stopped_sweep():
+        return sweep_results.attach_landed_runs(plan, results, 5.0)
+
+    assert [r.run for r in stopped_sweep()] == [None, None, None]
+    assert reads == [("s-t00", 5.0)]
+
+
 @pytest.mark.parametrize(
     "fields",
     [

@@ -55,7 +55,7 @@ class MetricsSink(Protocol):
 
 
 def build_sink(
-    kind: str, path: str, config: Any = None, lock_timeout_s: float | None = None
+    kind: str, path: str, config: Any = None, wait_s: float | None = None
 ) -> MetricsSink:
     """The metrics sink of `kind`.
 
@@ -64,8 +64,9 @@ def build_sink(
         path: for "duckdb", the database file.
         config: the `MetricsConfig` (required for "bigquery": project, dataset, location,
             credentials_block).
-        lock_timeout_s: for "duckdb", how long to wait while another process holds the
-            file (None: the sink's default).
+        wait_s: how long the sink may wait for its backend: for "duckdb", while another
+            process holds the file; for "bigquery", retrying each call (its `patience_s`).
+            None: the sink's default.
 
     Returns:
         A new sink; for "bigquery" with its own client, built here once.
@@ -74,7 +75,7 @@ def build_sink(
         ValueError: if `kind` is not a known backend, or "bigquery" comes without a config.
     """
     if kind == "duckdb":
-        return DuckDBSink(path) if lock_timeout_s is None else DuckDBSink(path, lock_timeout_s)
+        return DuckDBSink(path) if wait_s is None else DuckDBSink(path, wait_s)
     if kind == "bigquery":
         if config is None:
             raise ValueError("the bigquery sink needs the metrics config")
@@ -83,5 +84,7 @@ def build_sink(
         from infra.metrics.bigquery_sink import BigQuerySink
 
         client = bigquery_client(config.project, config.location, config.credentials_block)
-        return BigQuerySink(client, config.dataset, config.project, config.location)
+        return BigQuerySink(
+            client, config.dataset, config.project, config.location, patience_s=wait_s
+        )
     raise ValueError(f"unknown metrics sink kind {kind!r}; known: 'duckdb', 'bigquery'")

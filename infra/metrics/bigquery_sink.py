@@ -70,6 +70,8 @@ RETRY = logged_retry("BigQuery call failed", bigquery.DEFAULT_RETRY._predicate)
 CALL_TIMEOUT_S = 60.0
 # A load or query job's wait for its result.
 JOB_TIMEOUT_S = 300.0
+# The shortest time limit of a request of a sink given little patience (`patience_s`).
+MIN_CALL_S = 5.0
 
 
 class BigQuerySink:
@@ -82,6 +84,7 @@ class BigQuerySink:
         project: str | None = None,
         location: str = "US",
         models: Sequence[type[TableRow]] = ROW_MODELS,
+        patience_s: float | None = None,
     ) -> None:
         """Land into `project.dataset` (project defaults to the client's).
 
@@ -91,9 +94,14 @@ class BigQuerySink:
             project: project of the dataset.
             location: the dataset's location, used when creating it and for every job.
             models: the row models, one table each (tests pass older versions).
+            patience_s: how long each call may retry (and each request and job wait, at
+                least `MIN_CALL_S`), below `RETRY`'s deadline and the time limits: a run
+                stopped by a signal must exit within seconds, not retry an unreachable
+                BigQuery for 300 s a call. None: the full deadlines.
         """
         self.client, self.location, self.models = client, location, tuple(models)
         self.dataset = f"{project or client.project}.{dataset}"
+        self.patience_s = patience_s
         self._ready = False
 
     def ensure_tables(self) -> None:
@@ -108,7 +116,7 @@ class BigQuerySink:
         # datasets, and a create of an existing one would answer 403, not 409.
         if not self.check_location():
             bigquery_tables.create_dataset(
-                self.client, self.dataset, self.location, retry=RETRY, timeout=CALL_TIMEOUT_S
+                self.client, self.dataset, self.location, **self._limits()
             )
         for model in self.models:
             self._ensure_table(model)
@@ -125,7 +133,7 @@ class BigQuerySink:
             LocationError: it exists in another location than `location`.
         """
         return bigquery_tables.dataset_exists(
-            self.client, self.dataset, self.location, retry=RETRY, timeout=CALL_TIMEOUT_S
+            self.client, self.dataset, self.location, **self._limits()
         )
 
     def land(
@@ -207,7 +215,8 @@ class BigQuerySink:
         yet included: nothing has landed there, which is no error)."""
         sql = f"SELECT * FROM `{self._table(RunRow)}` WHERE run_id = @run_id"
         try:
-            rows = list(self._query(sql, run_id))
+            with bigquery_tables.naming(f"reading run {run_id} from {self.dataset}"):
+                rows = list(self._query(sql, run_id))
         except NotFound:
             return None
         return RunRow.model_validate(dict(rows[0].items())) if rows else None
@@ -217,6 +226,20 @@ class BigQuerySink:
         return [tuple(row.values()) for row in self._query(sql, run_id)]
 
     # -- internals --------------------------------------------------------------------
+
+    def _limits(self) -> dict[str, Any]:
+        """One call's `retry` and `timeout`: the module's, or within `patience_s`."""
+        if self.patience_s is None:
+            return {"retry": RETRY, "timeout": CALL_TIMEOUT_S}
+        return {
+            "retry": RETRY.with_timeout(min(RETRY.timeout, self.patience_s)),
+            "timeout": min(CALL_TIMEOUT_S, max(self.patience_s, MIN_CALL_S)),
+        }
+
+    def _job_timeout(self) -> float:
+        if self.patience_s is None:
+            return JOB_TIMEOUT_S
+        return min(JOB_TIMEOUT_S, max(self.patience_s, MIN_CALL_S))
 
     def _table(self, model: type[TableRow]) -> str:
         return f"{self.dataset}.{model.table}"
@@ -234,9 +257,7 @@ class BigQuerySink:
         """
         for i, table in enumerate(tables):
             try:
-                self.client.delete_table(
-                    table, not_found_ok=True, retry=RETRY, timeout=CALL_TIMEOUT_S
-                )
+                self.client.delete_table(table, not_found_ok=True, **self._limits())
             except Exception as exc:  # any failure: the landing's outcome is decided
                 log.warning(
                     "%s: the rows are stored, but dropping the staging tables failed: %s; "
@@ -251,7 +272,7 @@ class BigQuerySink:
     def _ensure_table(self, model: type[TableRow]) -> None:
         """Create the model's table (day-partitioned, clustered) or add its new columns."""
         have = bigquery_tables.create_table(
-            self.client, self._table(model), model, retry=RETRY, timeout=CALL_TIMEOUT_S
+            self.client, self._table(model), model, **self._limits()
         )
         for sql in bigquery_tables.migration_sql(self._table(model), model, have):
             self._query(sql)
@@ -264,9 +285,8 @@ class BigQuerySink:
             model,
             rows,
             location=self.location,
-            retry=RETRY,
-            timeout=CALL_TIMEOUT_S,
-            job_timeout=JOB_TIMEOUT_S,
+            job_timeout=self._job_timeout(),
+            **self._limits(),
         )
 
     def _merge_sql(
@@ -287,12 +307,8 @@ class BigQuerySink:
         # job_retry=None: the library's job retry wraps RETRY in its own 600 s insert retry
         # (and waits up to 2400 s on a failed job): a MERGE answered 500 went on silently
         # for 15 minutes. A landing is safe to run again; RETRY bounds each call.
+        limits = self._limits()
         job = self.client.query(
-            sql,
-            job_config=config,
-            location=self.location,
-            retry=RETRY,
-            job_retry=None,
-            timeout=CALL_TIMEOUT_S,
+            sql, job_config=config, location=self.location, job_retry=None, **limits
         )
-        return job.result(retry=RETRY, job_retry=None, timeout=JOB_TIMEOUT_S)
+        return job.result(retry=limits["retry"], job_retry=None, timeout=self._job_timeout())

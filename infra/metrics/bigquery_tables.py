@@ -29,6 +29,7 @@ from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.cloud import bigquery
 
+from infra.gcp.retries import doing
 from infra.metrics.bigquery_sql import bq_schema, changed_types
 from infra.metrics.rows import TableRow
 
@@ -49,7 +50,8 @@ def create_dataset(
     """Create `dataset` (`project.dataset`) in `location` unless it exists."""
     ds = bigquery.Dataset(dataset)
     ds.location = location
-    client.create_dataset(ds, exists_ok=True, retry=retry, timeout=timeout)
+    with naming(f"creating BigQuery dataset {dataset} in {location}"):
+        client.create_dataset(ds, exists_ok=True, retry=retry, timeout=timeout)
 
 
 def dataset_exists(
@@ -71,7 +73,8 @@ def dataset_exists(
         LocationError: it exists in another location than `location`.
     """
     try:
-        existing = client.get_dataset(dataset, retry=retry, timeout=timeout)
+        with naming(f"looking up BigQuery dataset {dataset}"):
+            existing = client.get_dataset(dataset, retry=retry, timeout=timeout)
     except gexc.NotFound:
         return False
     # A job runs in one location: every load and MERGE would fail with "Not found:
@@ -106,7 +109,8 @@ def create_table(
         type_=bigquery.TimePartitioningType.DAY, field=model.partition_field
     )
     table.clustering_fields = list(model.cluster_fields)
-    existing = client.create_table(table, exists_ok=True, retry=retry, timeout=timeout)
+    with naming(f"creating BigQuery table {table_id}"):
+        existing = client.create_table(table, exists_ok=True, retry=retry, timeout=timeout)
     return {f.name: f.field_type for f in existing.schema}
 
 
@@ -203,7 +207,8 @@ def naming(place: str) -> Iterator[None]:
     """Put `place` (the run, the table) in front of an API error's message, keeping its
     type: the library's own names only a URL ("503 POST .../jobs?uploadType=resumable")."""
     try:
-        yield
+        with doing(place):  # and in the warnings of the retries on the way
+            yield
     except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
         exc.message = f"{place}: {exc.message}"
         raise

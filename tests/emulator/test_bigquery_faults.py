@@ -197,16 +197,70 @@ def test_a_run_into_a_dataset_of_another_location_is_refused_before_provisioning
         f"metrics.dataset={dataset}",
         "metrics.location=EU",
     )
-    check_backend_access(config, plan_run(config))  # no dataset yet: landing creates it in EU
-    assert [d.dataset_id for d in sink.client.list_datasets()].count(dataset) == 0
-
     existing = bigquery.Dataset(sink.dataset)
     existing.location = "US"
     sink.client.create_dataset(existing)
     with pytest.raises(ConfigError, match=r"^metrics.location = 'EU': .* is in US"):
         check_backend_access(config, plan_run(config))
+    assert list(sink.client.list_tables(sink.dataset)) == []  # nothing made there
     us = config.model_copy(update={"metrics": config.metrics.model_copy(update={"location": "us"})})
     check_backend_access(us, plan_run(us))
+
+
+def test_the_dataset_and_tables_are_made_before_provisioning_or_the_run_is_refused(
+    sink, tmp_path, monkeypatch, fast_retry
+):
+    """A dataset the credentials may not create was found missing only when landing, after
+    the run trained, in an error naming no dataset; so was a table whose column changed
+    type."""
+    from google.cloud import bigquery
+
+    from infra.metrics import RunRow
+    from tasks.access import check_backend_access
+    from tasks.plan import plan_run
+    from tests.helpers import tiny_config
+    from workloads.config_file import ConfigError
+
+    project, dataset = sink.dataset.split(".")
+    config = tiny_config(
+        tmp_path,
+        "metrics.sink=bigquery",
+        f"metrics.project={project}",
+        f"metrics.dataset={dataset}",
+        "metrics.location=EU",
+    )
+    plan = plan_run(config)
+    denied = _answer(403, "accessDenied", "User does not have bigquery.datasets.create")
+    Faults(sink, monkeypatch).pending = [("POST", f"/projects/{project}/datasets", denied)]
+    monkeypatch.setattr(bigquery_sink.BigQuerySink, "__init__", _sharing_client(sink))
+    with pytest.raises(
+        ConfigError,
+        match=rf"^metrics.dataset = '{dataset}': these credentials may not use {sink.dataset} "
+        rf"\(creating BigQuery dataset {sink.dataset} in EU: .*datasets.create\); grant ",
+    ):
+        check_backend_access(config, plan)
+
+    check_backend_access(config, plan)  # allowed now: made in metrics.location, with tables
+    assert sink.client.get_dataset(sink.dataset).location == "EU"
+    tables = {t.table_id for t in sink.client.list_tables(sink.dataset)}
+    assert {m.table for m in sink.models} <= tables
+
+    runs = f"{sink.dataset}.{RunRow.table}"
+    sink.client.delete_table(runs)
+    schema = [bigquery.SchemaField(name, "STRING") for name in ("run_id", "final_step")]
+    sink.client.create_table(bigquery.Table(runs, schema=schema))
+    with pytest.raises(ConfigError, match=r"final_step STRING -> INT64"):
+        check_backend_access(config, plan)
+
+
+def _sharing_client(sink):
+    """`BigQuerySink.__init__` that gives every new sink `sink`'s client (and its faults)."""
+    real = bigquery_sink.BigQuerySink.__init__
+
+    def init(self, client, *args, **kwargs):
+        real(self, sink.client, *args, **kwargs)
+
+    return init
 
 
 def fail_drops_after_commit(sink, monkeypatch, answer: requests.Response) -> Faults:
@@ -277,3 +331,27 @@ def test_a_sweep_landing_survives_a_refused_drop_of_its_staging_table(
     (warning,) = [r.getMessage() for r in caplog.records if r.name == bigquery_sink.__name__]
     assert f"landing sweep sw into {sink.dataset}.sweeps" in warning
     assert "Access Denied" in warning and sink._staging(SweepRow, "sw") in warning
+
+
+def test_a_sink_given_little_patience_gives_up_within_it_naming_the_call(sink, monkeypatch, caplog):
+    # A SIGTERMed run's row (and a stopped sweep's) retried each call against an
+    # unreachable BigQuery for 300 s, with warnings that named no call.
+    import time
+
+    unreachable = requests.exceptions.ConnectionError("Remote end closed connection")
+    faults = Faults(sink, monkeypatch)
+    faults.pending = [("GET", "/", unreachable)] * 1000 + [("POST", "/", unreachable)] * 1000
+    patient = BigQuerySink(sink.client, sink.dataset.split(".")[1], patience_s=1.0)
+
+    started = time.monotonic()
+    with pytest.raises(gexc.RetryError, match=f"^looking up BigQuery dataset {sink.dataset}: "):
+        patient.land(*rows())
+    assert time.monotonic() - started < 10
+    warnings = [r.getMessage() for r in caplog.records if r.name == "infra.retries"]
+    assert warnings and all(
+        w.startswith(f"BigQuery call failed (looking up BigQuery dataset {sink.dataset}): ")
+        and w.endswith("retrying (for up to 1 s)")
+        for w in warnings
+    )
+    requests_made = len(faults.seen)
+    assert faults.timeouts[:requests_made] == [bigquery_sink.MIN_CALL_S] * requests_made
