@@ -244,6 +244,16 @@ def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: st
     return os.fspath(path)
 
 
+def slice_log_path(config: PipelineConfig, plan: RunPlan) -> str:
+    """Where the slice's workload logs (host 0's; host i's beside it): the run directory's
+    `logs/`, or for a local slice of a `gs://` root, this machine's
+    `<slices_root>/logs/<run_name>/`. Its processes write a local file: the run
+    directory's URI made one under the working directory, named `gs:/<bucket>/...`."""
+    if config.slice.provider == "local" and is_gcs(plan.run_dir):
+        return os.path.join(plan.slices_root, "logs", plan.run_name, f"{plan.slice_name}.log")
+    return f"{plan.run_dir}/logs/{plan.slice_name}.log"
+
+
 def root_tag(plan: RunPlan) -> str:
     """A label value standing for the run's storage root (a hash: a label holds 63
     lowercase characters at most, which a `gs://` URI need not fit)."""

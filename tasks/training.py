@@ -25,7 +25,7 @@ from prefect.tasks import exponential_backoff
 from infra.slices import ProvisioningError, SliceSpec, SliceState, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
-from tasks.plan import ROOT_LABEL, RunPlan, root_tag, slice_labels
+from tasks.plan import ROOT_LABEL, RunPlan, root_tag, slice_labels, slice_log_path
 from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
@@ -148,7 +148,7 @@ def provision_slice(
         hosts=config.slice.hosts,
         command=workload_command(config_path),
         env={"TPUPIPE_ATTEMPT": str(attempt), "TPUPIPE_LEASE": lease},
-        log_path=f"{plan.run_dir}/logs/{plan.slice_name}.log",
+        log_path=slice_log_path(config, plan),
         run_dir=plan.run_dir,
         chaos=config.slice.chaos.model_dump() if config.slice.provider == "local" else None,
     )
@@ -205,6 +205,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             logger.info,
             progress.update,
             attempt=attempt,
+            log_path=slice_log_path(config, plan),
         )
         events.emit("attempt_ended", outcome="completed")
         logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)

@@ -99,12 +99,15 @@ def watch_slice(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     attempt: int | None = None,
+    log_path: str | None = None,
 ) -> TrainOutcome:
     """Wait until the workload on slice `name` exits.
 
     `attempt` tells this attempt's heartbeats from an earlier one's left in the run
     directory; without it (or from a workload that does not write it), a heartbeat
-    written after the watch started is this attempt's.
+    written after the watch started is this attempt's. `log_path` is the slice's log
+    (`tasks.plan.slice_log_path`; default the run directory's `logs/<name>.log`), whose
+    last line a failure without an error of its own quotes.
 
     Raises:
         WorkloadNeverStarted: the slice stayed READY and its workload never beat.
@@ -187,7 +190,7 @@ def watch_slice(
     if status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None) and not final.get(
         "error"
     ):
-        final = {**final, "error": _last_log_line(run_dir, name)}
+        final = {**final, "error": _last_log_line(run_dir, name, log_path)}
     return _ended(name, status.exit_code, final, clock() - started)
 
 
@@ -200,14 +203,15 @@ def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]
             log(f"checkpoint step {step} was quarantined, not resumed from: {entry.get('reason')}")
 
 
-def _last_log_line(run_dir: RunDir, name: str) -> str | None:
-    """The last line of the slice's log (host 0's, in the run directory), saying so: the
-    error of a workload that could not write its heartbeat (a full disk), often its
-    traceback's last line. None when there is no such log (gcp slices log elsewhere)."""
+def _last_log_line(run_dir: RunDir, name: str, log_path: str | None = None) -> str | None:
+    """The last line of the slice's log (host 0's, by default in the run directory),
+    saying so: the error of a workload that could not write its heartbeat (a full disk),
+    often its traceback's last line. None when there is no such log (gcp slices log
+    elsewhere)."""
     root = getattr(run_dir, "path", None)  # a stand-in without a directory has no log
-    if root is None:
+    if log_path is None and root is None:
         return None
-    path = epath.Path(root) / "logs" / f"{name}.log"
+    path = epath.Path(log_path) if log_path else epath.Path(root) / "logs" / f"{name}.log"
     try:
         with path.open("rb") as f:
             size = f.seek(0, 2)

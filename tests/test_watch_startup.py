@@ -9,6 +9,7 @@ times, each for the whole heartbeat timeout (10.5 minutes by default).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,31 @@ def test_a_workload_that_lost_its_lease_says_another_orchestrator_runs_the_run(t
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
     with pytest.raises(WorkloadFailed, match="another orchestrator is running this run"):
         watch_slice(ExitsWith(76), "s", run_dir, settings, print, None, clock, clock.sleep, 2)
+
+
+def test_a_local_slice_of_a_gs_root_logs_on_this_machine_and_its_last_line_is_quoted(
+    tmp_path, monkeypatch
+):
+    # Its log was written under the working directory, as `./gs:/<bucket>/root/runs/...`.
+    from tasks.plan import plan_run, slice_log_path
+    from tests.helpers import tiny_config
+
+    monkeypatch.chdir(tmp_path)
+    config = tiny_config(tmp_path, "storage.root=gs://bucket/root", "run_name=r")
+    plan = plan_run(config)
+    path = slice_log_path(config, plan)
+    assert path == str(tmp_path / ".tpupipe" / "logs" / "r" / "tpupipe-r.log")
+    local = config.model_copy(update={"storage": config.storage.model_copy(update={"root": "s"})})
+    assert slice_log_path(local, plan_run(local)) == str(tmp_path / "s/runs/r/logs/tpupipe-r.log")
+
+    Path(path).parent.mkdir(parents=True)
+    Path(path).write_text("Traceback (most recent call last):\nOSError: [Errno 28] No space\n")
+    clock = Clock()
+    run_dir = Heartbeats(lambda now: None)
+    run_dir.clock, run_dir.path = clock, "gs://bucket/root/runs/r"
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    with pytest.raises(WorkloadFailed, match=rf"No space \(the last line of {path}\)"):
+        watch_slice(
+            ExitsWith(1), "tpupipe-r", run_dir, settings, print, None, clock, clock.sleep, 2,
+            log_path=path,
+        )  # fmt: skip
