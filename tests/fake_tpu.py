@@ -303,6 +303,8 @@ class FakeTpuApi:
             raise ApiError(error[0], error[1])
         if (zone, qr_id) in self.queued:
             raise ApiError(409, f"queued resource {qr_id} already exists")
+        if error:  # the operation fails (a stockout): no request is left behind
+            return self._new_op(parent, None, error={"code": error[1], "message": error[2]})
         valid = float(body.get("queueingPolicy", {}).get("validUntilDuration", "0s")[:-1] or 0)
         self.queued[(zone, qr_id)] = {
             **body,

@@ -103,6 +103,20 @@ def test_a_zone_that_refuses_the_delete_does_not_shield_the_slice_in_another(fak
     assert fake.nodes == {}  # the node in the fallback zone was deleted all the same
 
 
+def test_a_spot_request_the_operation_refuses_for_capacity_falls_back_to_the_next_zone(
+    fake_tpu,
+):
+    fake, host = fake_tpu
+    fake.create_errors["us-west4-a"] = [("op", 8, "no spot capacity")]
+    provider = make_provider(host, zones=ZONES, provision_attempts=1, capacity="spot")
+
+    assert provider.create(spec()).state is SliceState.READY
+    assert list(fake.queued) == [("us-east5-b", "tpupipe-r1")]
+    assert [zone for zone, _ in fake.nodes] == ["us-east5-b"]
+    assert provider.delete("tpupipe-r1") is True
+    assert fake.nodes == {} and fake.queued == {}
+
+
 def test_a_refused_read_of_the_exit_records_names_cloud_storage_not_the_tpu_api(fake_tpu):
     class DeniedStorage:
         def list_blobs(self, bucket, prefix=None, retry=None):
