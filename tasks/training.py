@@ -14,6 +14,7 @@ run name (after a failure, after a success, a sweep run again) appends to the sa
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -39,6 +40,8 @@ from tasks.watch import (
 from workloads.config import PipelineConfig
 from workloads.events import EVENTS, EventLog, grant_lease, new_lease
 from workloads.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 def _provider(config: PipelineConfig, plan: RunPlan):
@@ -75,8 +78,14 @@ class SliceNameTaken(RuntimeError):
 def foreign_slice(provider, plan: RunPlan) -> str | None:
     """What holds the run's slice name, when a run under another storage root does; None
     when the slice is this run's or there is none. A slice labelled before the `run-root`
-    label existed is taken as this run's, as it was before."""
-    status = provider.status(plan.slice_name)
+    label existed is taken as this run's, as it was before; so is one whose status cannot
+    be read (a gcp status also reads the workers' exit records, in the other run's
+    bucket), as the delete that follows goes on as it did before."""
+    try:
+        status = provider.status(plan.slice_name)
+    except Exception as exc:  # see the docstring
+        log.warning("slice %s: could not read its labels: %s", plan.slice_name, exc)
+        return None
     theirs = status.labels.get(ROOT_LABEL)
     if status.state is SliceState.NOT_FOUND or theirs in (None, root_tag(plan)):
         return None
