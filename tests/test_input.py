@@ -283,6 +283,29 @@ def test_a_dataset_stored_as_uint16_by_an_older_version_reads_the_same(dataset_d
     assert any((b["inputs"] == EOD_TOKEN).any() for b in input.eval_batches(old, 4, 100))
 
 
+def test_a_state_saved_over_other_records_does_not_resume(dataset_dir, tmp_path):
+    """A checkpoint of a run over other data, copied into a run, resumed silently: its
+    config hash was this run's, and nothing else was compared."""
+    import shutil
+
+    it = input.train_iterator(dataset_dir, 4, seed=1)
+    next(it)
+    saved = input.iterator_state_to_json(it)
+    # Other text at the same paths: same config, another dataset.
+    corpus = tmp_path / "corpus"
+    shutil.copytree(Path(dataset_dir).parents[1] / "corpus", corpus)
+    (corpus / "doc0.txt").write_text("other text " * 80)
+    cfg = DatasetConfig(sources=[str(corpus)], seq_len=SEQ, num_shards=2, eval_fraction=0.2)
+    other = input.train_iterator(data.shard_dataset(cfg, tmp_path / "out").dataset_dir, 4, 1)
+    with pytest.raises(ValueError, match=r"saved over a dataset of other records .*other data"):
+        input.restore_iterator_state(other, saved)
+    # The same records stored elsewhere (a copied dataset, a newer storage format) resume.
+    copy = shutil.copytree(dataset_dir, tmp_path / "copy")
+    same = input.train_iterator(copy, 4, seed=1)
+    input.restore_iterator_state(same, saved)
+    np.testing.assert_array_equal(next(same)["inputs"], next(it)["inputs"])
+
+
 def test_a_state_resumes_only_the_same_global_batch_and_seed(dataset_dir):
     it = input.train_iterator(dataset_dir, 4, seed=1)
     for _ in range(3):

@@ -20,7 +20,7 @@ import grain
 import numpy as np
 
 from workloads.dataset_cache import local_dataset
-from workloads.manifest import load_manifest
+from workloads.manifest import load_manifest, records_identity
 from workloads.shard_source import record_stacker, split_source
 
 
@@ -104,10 +104,11 @@ def decode_records(
     }
 
 
-# What each train_iterator's position means: its global batch size and seed (weakly held).
+# What each train_iterator's position means: its global batch size, its seed and the
+# identity of the records it reads (`records_identity`) (weakly held).
 # States carry them beside grain's own keys, which grain's set_state must not see.
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LAYOUT_KEYS = ("global_batch", "seed")
+_LAYOUT_KEYS = ("global_batch", "seed", "records")
 
 
 def train_iterator(
@@ -149,7 +150,11 @@ def train_iterator(
     ds = ds.map(lambda raw: decode_records(raw, eod))
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
     it = iter(ds.to_iter_dataset(options))
-    _LAYOUTS[it] = {"global_batch": batch_size * shard_count, "seed": seed}
+    _LAYOUTS[it] = {
+        "global_batch": batch_size * shard_count,
+        "seed": seed,
+        "records": records_identity(manifest),
+    }
     return it
 
 
@@ -181,10 +186,17 @@ def restore_iterator_state(it: grain.DatasetIterator, state: dict) -> None:
 
 def iterator_state_problem(it: grain.DatasetIterator, state: dict) -> str | None:
     """Why `state` cannot resume `it`, or None: it was saved with another global batch
-    size or seed, where the same count of batches is another place in another stream (a
-    state saved before these were recorded is taken as it is), or it is not such a state
-    at all (grain's own message was the bare missing key)."""
+    size or seed, where the same count of batches is another place in another stream, or
+    over a dataset of other records (`records`: a checkpoint of a run over other data,
+    copied into this run, resumed silently; a state saved before these were recorded is
+    taken as it is), or it is not such a state at all (grain's own message was the bare
+    missing key)."""
     for key, value in _LAYOUTS.get(it, {}).items():
+        if key == "records" and key in state and state[key] != value:
+            return (
+                f"was saved over a dataset of other records (records={state[key]}; this run's "
+                f"dataset is records={value}): it was trained on other data"
+            )
         if key in state and state[key] != value:
             return (
                 f"saved with {key}={state[key]} cannot resume an iterator with "

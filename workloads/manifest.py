@@ -168,6 +168,31 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
     _fsync(dataset_dir)
 
 
+def records_identity(manifest: dict) -> str:
+    """What the dataset's records are, whatever stores them: a hash of its sources (path,
+    size and version of each), its tokenizer (kind, vocabulary, end-of-document id and file
+    hash) and its options other than the tokenizer's path. Two datasets of one identity
+    hold the same token ids in the same records (`SAME_RECORDS_SINCE`): a data-iterator
+    state saved over one resumes over the other, and over no dataset of another identity.
+    """
+    tok = manifest.get("tokenizer", {})
+    sources = [
+        [s.get("uri"), s.get("key"), s.get("size"), s.get("version")]
+        for s in manifest.get("sources", [])
+    ]
+    what = {
+        "sources": sources,
+        "tokenizer": [
+            tok.get("kind"),
+            tok.get("vocab_size"),
+            tok.get("eod_token"),
+            tok.get("sha256"),
+        ],
+        "options": {k: v for k, v in manifest.get("options", {}).items() if k != "tokenizer"},
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def manifest_text(manifest: dict) -> str:
     """The manifest as JSON with each top-level field on a line, and each item of a list
     field (the sources) on its own: readable like `indent=1`, and written in the run's
