@@ -186,17 +186,9 @@ def test_a_run_into_a_dataset_of_another_location_is_refused_before_provisioning
 
     from tasks.access import check_backend_access
     from tasks.plan import plan_run
-    from tests.helpers import tiny_config
     from workloads.config_file import ConfigError
 
-    project, dataset = sink.dataset.split(".")
-    config = tiny_config(
-        tmp_path,
-        "metrics.sink=bigquery",
-        f"metrics.project={project}",
-        f"metrics.dataset={dataset}",
-        "metrics.location=EU",
-    )
+    config = _eu_config(sink, tmp_path)
     existing = bigquery.Dataset(sink.dataset)
     existing.location = "US"
     sink.client.create_dataset(existing)
@@ -218,17 +210,10 @@ def test_the_dataset_and_tables_are_made_before_provisioning_or_the_run_is_refus
     from infra.metrics import RunRow
     from tasks.access import check_backend_access
     from tasks.plan import plan_run
-    from tests.helpers import tiny_config
     from workloads.config_file import ConfigError
 
     project, dataset = sink.dataset.split(".")
-    config = tiny_config(
-        tmp_path,
-        "metrics.sink=bigquery",
-        f"metrics.project={project}",
-        f"metrics.dataset={dataset}",
-        "metrics.location=EU",
-    )
+    config = _eu_config(sink, tmp_path)
     plan = plan_run(config)
     denied = _answer(403, "accessDenied", "User does not have bigquery.datasets.create")
     Faults(sink, monkeypatch).pending = [("POST", f"/projects/{project}/datasets", denied)]
@@ -251,6 +236,20 @@ def test_the_dataset_and_tables_are_made_before_provisioning_or_the_run_is_refus
     sink.client.create_table(bigquery.Table(runs, schema=schema))
     with pytest.raises(ConfigError, match=r"final_step STRING -> INT64"):
         check_backend_access(config, plan)
+
+
+def _eu_config(sink, tmp_path):
+    """configs/tiny.yaml landing in `sink`'s dataset, with metrics.location EU."""
+    from tests.helpers import tiny_config
+
+    project, dataset = sink.dataset.split(".")
+    return tiny_config(
+        tmp_path,
+        "metrics.sink=bigquery",
+        f"metrics.project={project}",
+        f"metrics.dataset={dataset}",
+        "metrics.location=EU",
+    )
 
 
 def _sharing_client(sink):
