@@ -14,7 +14,7 @@ import os
 
 from workloads.config import DatasetConfig
 from workloads.documents import file_format
-from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
+from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest, records_fields
 from workloads.sources import DatasetError, SourceFile
 from workloads.tokens import TokenizerSpec, load_tokenizer
 
@@ -78,15 +78,12 @@ def same_records(
         m = load_manifest(dataset_dir)
         if m["format_version"] < SAME_RECORDS_SINCE:
             return False
-        tok = m["tokenizer"]
-        old_tokenizer = [tok["kind"], tok["vocab_size"], tok["eod_token"], tok.get("sha256")]
-        old_files = [[s["uri"], s["key"], s["size"], s["version"]] for s in m["sources"]]
-        old_options = {k: v for k, v in m["options"].items() if k != "tokenizer"}
-    except (DatasetError, OSError, KeyError, TypeError):
+        stored = records_fields(m)
+    except (DatasetError, OSError, KeyError, TypeError, AttributeError):
         return False
     options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
-    return (
-        old_files == [[f.uri, f.key, f.size, f.version] for f in files]
-        and old_tokenizer == load_tokenizer(cfg.tokenizer).fingerprint_entry()
-        and old_options == options
-    )
+    return stored == {
+        "sources": [[f.uri, f.key, f.size, f.version] for f in files],
+        "tokenizer": load_tokenizer(cfg.tokenizer).fingerprint_entry(),
+        "options": options,
+    }

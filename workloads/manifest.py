@@ -168,20 +168,16 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
     _fsync(dataset_dir)
 
 
-def records_identity(manifest: dict) -> str:
-    """What the dataset's records are, whatever stores them: a hash of its sources (path,
-    size and version of each), its tokenizer (kind, vocabulary, end-of-document id and file
-    hash) and its options other than the tokenizer's path. Two datasets of one identity
-    hold the same token ids in the same records (`SAME_RECORDS_SINCE`): a data-iterator
-    state saved over one resumes over the other, and over no dataset of another identity.
-    """
+def records_fields(manifest: dict) -> dict:
+    """What decides the dataset's records, whatever stores them: its sources (path, key,
+    size and version of each), its tokenizer (kind, vocabulary, end-of-document id and
+    file hash) and its options other than the tokenizer's path."""
     tok = manifest.get("tokenizer", {})
-    sources = [
-        [s.get("uri"), s.get("key"), s.get("size"), s.get("version")]
-        for s in manifest.get("sources", [])
-    ]
-    what = {
-        "sources": sources,
+    return {
+        "sources": [
+            [s.get("uri"), s.get("key"), s.get("size"), s.get("version")]
+            for s in manifest.get("sources", [])
+        ],
         "tokenizer": [
             tok.get("kind"),
             tok.get("vocab_size"),
@@ -190,7 +186,15 @@ def records_identity(manifest: dict) -> str:
         ],
         "options": {k: v for k, v in manifest.get("options", {}).items() if k != "tokenizer"},
     }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def records_identity(manifest: dict) -> str:
+    """A hash of `records_fields`. Two datasets of one identity hold the same token ids in
+    the same records (`SAME_RECORDS_SINCE`): a data-iterator state saved over one resumes
+    over the other, and over no dataset of another identity."""
+    return hashlib.sha256(
+        json.dumps(records_fields(manifest), sort_keys=True).encode()
+    ).hexdigest()[:16]
 
 
 def manifest_text(manifest: dict) -> str:

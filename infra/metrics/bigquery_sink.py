@@ -233,13 +233,17 @@ class BigQuerySink:
             return {"retry": RETRY, "timeout": CALL_TIMEOUT_S}
         return {
             "retry": RETRY.with_timeout(min(RETRY.timeout, self.patience_s)),
-            "timeout": min(CALL_TIMEOUT_S, max(self.patience_s, MIN_CALL_S)),
+            "timeout": self._within_patience(CALL_TIMEOUT_S),
         }
 
     def _job_timeout(self) -> float:
+        return self._within_patience(JOB_TIMEOUT_S)
+
+    def _within_patience(self, limit: float) -> float:
+        """A request's or job's time limit, cut to `patience_s` (at least `MIN_CALL_S`)."""
         if self.patience_s is None:
-            return JOB_TIMEOUT_S
-        return min(JOB_TIMEOUT_S, max(self.patience_s, MIN_CALL_S))
+            return limit
+        return min(limit, max(self.patience_s, MIN_CALL_S))
 
     def _table(self, model: type[TableRow]) -> str:
         return f"{self.dataset}.{model.table}"
