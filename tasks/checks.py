@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tasks.plan import RunPlan
 from tasks.watch import WatchStopped, stop_if_requested, stop_requested
-from workloads import checkpoint, config_file, evaluate
+from workloads import checkpoint, config_file, evaluate, input
 from workloads.config import PipelineConfig, WorkloadConfig
+from workloads.config_file import ConfigError
+from workloads.events import EventLog
 from workloads.rundir import CONFIG
 from workloads.sources import DatasetError
 
@@ -30,7 +34,7 @@ def verify_checkpoint(config: PipelineConfig, plan: RunPlan) -> checkpoint.Verif
         WatchStopped: the run's sweep is being stopped.
     """
     stop_if_requested("before checkpoint verification")
-    verified = checkpoint.verify_checkpoint(plan.run_dir, config.train.steps, plan.config_hash)
+    verified = _verify_final(config, plan)
     get_run_logger().info(
         "checkpoint step %d verified: %d arrays finite, params sha256 %s",
         verified.step,
@@ -55,12 +59,34 @@ def finished_training(
         return None
     logger = get_run_logger()
     try:
-        verified = checkpoint.verify_checkpoint(plan.run_dir, config.train.steps, plan.config_hash)
+        verified = _verify_final(config, plan)
     except checkpoint.CheckpointError as exc:
         logger.warning("training will resume: %s", exc)
         return None
     logger.info("training finished at step %d already: no slice is provisioned", verified.step)
     return verified
+
+
+def _verify_final(config: PipelineConfig, plan: RunPlan) -> checkpoint.VerifiedCheckpoint:
+    """`checkpoint.verify_checkpoint` of the final step, its data-iterator state included
+    (a final checkpoint of a run over other data, copied in, was evaluated and landed), a
+    step it quarantines recorded in `events.jsonl` as the workload records its own."""
+    data_problem = None
+    try:
+        dataset_dir = load_workload_config(plan).dataset_dir
+        layout = input.saved_layout(dataset_dir, config.train.batch_size, config.seed)
+        data_problem = partial(input.layout_problem, layout)
+    except (ConfigError, DatasetError) as exc:  # evaluation, next, fails naming it
+        get_run_logger().warning("the final checkpoint's data iterator is not checked: %s", exc)
+
+    def recorded(step: int, reason: str) -> None:
+        # No attempt's: the ledger counts no time for it, as for a workload run by hand.
+        log = EventLog(plan.run_dir, None, source="orchestrator", invocation=plan.flow_run_id)
+        log.emit("quarantined", step=step, reason=reason)
+
+    return checkpoint.verify_checkpoint(
+        plan.run_dir, config.train.steps, plan.config_hash, data_problem, recorded
+    )
 
 
 class EvaluationError(RuntimeError):

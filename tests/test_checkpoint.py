@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,24 @@ def test_verify_refuses_wrong_step_config_or_missing(tmp_path, state):
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
     with pytest.raises(checkpoint.CheckpointError, match="written by config h1"):
         checkpoint.verify_checkpoint(str(tmp_path), 5, "other")
+
+
+def test_verify_checks_the_data_iterator_against_the_run(tmp_path, state):
+    from workloads.input import layout_problem
+
+    layout = {"global_batch": 8, "seed": 0, "records": "ours"}
+    mngr = checkpoint.make_manager(str(tmp_path))
+    checkpoint.save(mngr, 10, state.arrays, {"next_index": 10, **layout}, "h1")
+    mngr.wait_until_finished()
+    mngr.close()
+    ours = partial(layout_problem, layout)
+    assert checkpoint.verify_checkpoint(str(tmp_path), 10, "h1", ours).step == 10
+    seen = []
+    theirs = partial(layout_problem, {**layout, "records": "theirs"})
+    with pytest.raises(checkpoint.CheckpointError, match="records=ours; this run's .*=theirs"):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1", theirs, lambda *a: seen.append(a))
+    assert seen and seen[0][0] == 10 and "other data" in seen[0][1]
+    assert checkpoint.latest_step(str(tmp_path)) is None  # quarantined
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path, state):

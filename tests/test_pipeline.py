@@ -210,6 +210,36 @@ def test_a_rerun_whose_final_checkpoint_is_corrupt_trains_its_last_steps_again(
     assert moved.name.startswith(f"{config.train.steps}-")
 
 
+def test_a_final_checkpoint_trained_on_other_data_is_quarantined_not_landed(
+    tmp_path, prefect_harness
+):
+    # A final checkpoint of a run over other records, copied in (its data iterator says
+    # so; its arrays are whole and of this config): the rerun found training finished,
+    # verified only the arrays and config, and landed the other run's parameters.
+    from flows.pipeline import tpu_training_pipeline
+
+    config = tiny_config(tmp_path, "run_name=foreign-final")
+    first = tpu_training_pipeline(config=config)
+    final = Path(first.run_dir) / "checkpoints" / str(config.train.steps)
+    data_iter = final / "data_iter" / "metadata"
+    saved = json.loads(data_iter.read_text())
+    assert saved["records"] and saved["next_index"] == config.train.steps
+    data_iter.write_text(json.dumps({**saved, "records": "0123456789abcdef"}))
+
+    again = tpu_training_pipeline(config=config)
+    assert again.status == "completed" and again.params_sha256 == first.params_sha256
+    (moved,) = (Path(first.run_dir) / "quarantine").iterdir()
+    assert "saved over a dataset of other records" in (moved / "QUARANTINED.txt").read_text()
+    lines = (Path(first.run_dir) / "events.jsonl").read_text().splitlines()
+    (recorded,) = [json.loads(x) for x in lines if '"quarantined"' in x]
+    assert recorded["step"] == config.train.steps and recorded["source"] == "orchestrator"
+    assert "other records" in recorded["reason"] and recorded["attempt"] is None
+    # The rerun trained the last steps again from the checkpoint before, on this data.
+    events = read_events(Path(first.run_dir) / "events.jsonl")
+    restored = [e["step"] for e in events if e["event"] == "restored"]
+    assert restored == [config.train.steps - config.train.steps % config.train.checkpoint_every]
+
+
 def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_harness):
     """The first invocation is preempted with no budget left and fails; running the run
     name again resumes it. The rerun's attempt is number 2 on both sides of the ledger,

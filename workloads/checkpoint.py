@@ -16,6 +16,7 @@ workloads/ckpt_integrity.py.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -139,9 +140,17 @@ def latest_step(run_dir: str) -> int | None:
 
 
 def verify_checkpoint(
-    run_dir: str, expected_step: int | None, config_hash: str
+    run_dir: str,
+    expected_step: int | None,
+    config_hash: str,
+    data_problem: Callable[[dict], str | None] | None = None,
+    on_quarantine: Callable[[int, str], None] | None = None,
 ) -> VerifiedCheckpoint:
-    """Restore the newest checkpoint and check its step, its config and that it is finite.
+    """Restore the newest checkpoint and check its step, its config and that it is finite,
+    and with `data_problem` (`input.layout_problem` over this run's `input.saved_layout`),
+    that its data-iterator state is at its step over this run's records: a final
+    checkpoint of a run over other data, copied in, was evaluated and landed `completed`.
+    A step that fails is quarantined, then `on_quarantine(step, reason)` is called.
 
     Raises:
         CheckpointError: naming the run directory and what is wrong; the checkpoint is
@@ -158,14 +167,18 @@ def verify_checkpoint(
             f"newest checkpoint in {where} is step {step}, expected the final step {expected_step}"
         )
     try:
-        state, meta = restore_on_host(run_dir, step)
-        problem = state_problem(state, meta, config_hash, step)
+        state, meta, data_state = restore_on_host(run_dir, step, with_data=True)
+        if data_problem is not None and data_state is None:
+            data_state = {}  # no data iterator state: `data_problem` names what it lacks
+        problem = state_problem(state, meta, config_hash, step, data_state, data_problem)
     except Exception as exc:
         if says_nothing_of_the_checkpoint(exc):
             raise unreadable(str(where / str(step)), exc) from exc
         problem = restore_error(exc)
     if problem is not None:
         moved = quarantine(run_dir, step, problem)
+        if on_quarantine is not None:
+            on_quarantine(step, problem)
         raise CheckpointError(f"checkpoint {where / str(step)}: {problem} (moved to {moved})")
     sha, count = params_sha256(state["model"])
     return VerifiedCheckpoint(

@@ -224,8 +224,11 @@ def pure_dicts(arrays: dict) -> dict:
     return {key: nnx.to_pure_dict(state) for key, state in arrays.items()}
 
 
-def restore_on_host(run_dir: str, step: int) -> tuple[dict, dict]:
-    """Restore a step's `state` onto one host CPU device (any mesh wrote it) and its meta."""
+def restore_on_host(
+    run_dir: str, step: int, with_data: bool = False
+) -> tuple[dict, dict] | tuple[dict, dict, dict | None]:
+    """Restore a step's `state` onto one host CPU device (any mesh wrote it) and its meta;
+    with `with_data`, its data-iterator state too (None if the step has none)."""
     mngr = make_manager(run_dir, read_only=True)
     try:
         metadata = mngr.item_metadata(step)["state"]
@@ -236,10 +239,13 @@ def restore_on_host(run_dir: str, step: int) -> tuple[dict, dict]:
             metadata,
             is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
         )
-        out = mngr.restore(
-            step,
-            args=ocp.args.Composite(state=_restore_args(abstract), meta=ocp.args.JsonRestore()),
-        )
+        items = {"state": _restore_args(abstract), "meta": ocp.args.JsonRestore()}
+        has_data = (epath.Path(mngr.directory) / str(step) / "data_iter").exists()
+        if with_data and has_data:
+            items["data_iter"] = ocp.args.JsonRestore()
+        out = mngr.restore(step, args=ocp.args.Composite(**items))
+        if with_data:
+            return out["state"], out["meta"], out.get("data_iter")
         return out["state"], out["meta"]
     finally:
         mngr.close()

@@ -191,7 +191,20 @@ def iterator_state_problem(it: grain.DatasetIterator, state: dict) -> str | None
     copied into this run, resumed silently; a state saved before these were recorded is
     taken as it is), or it is not such a state at all (grain's own message was the bare
     missing key)."""
-    for key, value in _LAYOUTS.get(it, {}).items():
+    return layout_problem(_LAYOUTS.get(it, {}), state)
+
+
+def saved_layout(dataset_dir: str | os.PathLike, global_batch: int, seed: int) -> dict:
+    """The layout (`_LAYOUT_KEYS`) a train iterator of this run records in its states:
+    what a saved state is checked against without building the iterator (the
+    orchestrator's verification of the final checkpoint)."""
+    records = records_identity(load_manifest(dataset_dir))
+    return {"global_batch": global_batch, "seed": seed, "records": records}
+
+
+def layout_problem(layout: dict, state: dict) -> str | None:
+    """Why `state` cannot resume an iterator of `layout` (see `iterator_state_problem`)."""
+    for key, value in layout.items():
         if key == "records" and key in state and state[key] != value:
             return (
                 f"was saved over a dataset of other records (records={state[key]}; this run's "
