@@ -8,8 +8,8 @@ and write a PNG of its loss curve and attempt timeline.
 
 Each attempt is priced as it recorded (older attempts: by the run's config.json), or by the
 cost section of `--config` when one is given. Exits 0 with the report, 1 when the run does
-not exist (naming the runs that do), its price table cannot be read or the plot cannot be
-written, 2 on an invalid config.
+not exist (naming the runs that do), a file of it or its price table cannot be read or
+the plot cannot be written, 2 on an invalid config.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         report = load_report(root, args.run_id, cost)
     except (RunNotFound, PriceTableError) as exc:
         print(f"tpupipe report: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a run file that is a directory, or not readable
+        print(f"tpupipe report: cannot read run {args.run_id}'s files: {exc}", file=sys.stderr)
         return 1
     print(format_report(report))
     if not args.no_png:

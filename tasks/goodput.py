@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from etils import epath
 
 from tasks.attempts import by_attempt, invocation_spans
+from tasks.pricing import readable_pricing
+from workloads.rundir import MAX_TIME
 
 BUCKETS = ("provisioning", "startup", "restore", "productive", "lost", "teardown", "idle")
 
@@ -111,18 +113,45 @@ def read_events(path: str | os.PathLike) -> list[dict]:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if _is_event(event):
+        if (event := _as_event(event)) is not None:
             events.append(event)
     return events
 
 
-def _is_event(event: object) -> bool:
+def _number(value: object) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and value >= 0
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+# The fields the ledger reads beyond time, event and attempt, and what each must be: a
+# value of another type (a hand edit, another tool's line) is dropped, as if the event had
+# not recorded it; it failed landing and `tpupipe report` with a TypeError naming no file.
+_FIELDS = {
+    "step": _count,
+    "resumed_from": _count,
+    "seconds": _number,
+    "invocation": lambda value: isinstance(value, str),
+}
+
+
+def _as_event(event: object) -> dict | None:
+    """The event as the ledger reads it, or None if it is no event `EventLog` writes (a
+    `time` past `MAX_TIME`, such as 1e300, was an idle time of 1e300 s in the report)."""
     if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-        return False
+        return None
     when, attempt = event.get("time"), event.get("attempt", 0)
-    if not isinstance(when, int | float) or isinstance(when, bool) or not math.isfinite(when):
-        return False
-    return isinstance(attempt, int) and not isinstance(attempt, bool)
+    if not _number(when) or when >= MAX_TIME:
+        return None
+    if not isinstance(attempt, int) or isinstance(attempt, bool):
+        return None
+    bad = {k for k, ok in _FIELDS.items() if event.get(k) is not None and not ok(event[k])}
+    if not readable_pricing(event):
+        bad |= {"price", "slice"}  # priced as an attempt that recorded no price
+    return {k: v for k, v in event.items() if k not in bad} if bad else event
 
 
 def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:

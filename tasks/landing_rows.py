@@ -34,7 +34,10 @@ def build_rows(
     error: str | None = None,
 ) -> tuple[RunRow, list[StepMetricRow], list[EvalMetricRow]]:
     """Rows for the `runs`, `step_metrics` and `eval_metrics` tables from the run directory."""
-    metrics = RunDir(plan.run_dir).step_metrics()
+    # Only steps the run can have trained: a row past them (another run's lines, a hand
+    # edit) landed in `step_metrics` beside a completed run's final step.
+    last = verified.step if verified else config.train.steps
+    metrics = [m for m in RunDir(plan.run_dir).step_metrics() if 1 <= m["step"] <= last]
     steps = [
         StepMetricRow(
             run_id=plan.run_id,

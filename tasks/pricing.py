@@ -213,9 +213,49 @@ def attempt_pricing(config: PipelineConfig) -> dict[str, Any]:
     }
 
 
+class _PriceRecord(BaseModel):
+    """A `Price` as an event records it. Strict: a value of another type is no record."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")  # a newer version's fields too
+    chips: int = Field(ge=1)
+    capacity: str
+    accelerator: str | None
+    region: str | None
+    usd_per_chip_hour: float | None = Field(ge=0, allow_inf_nan=False)
+    source: str
+    as_of: str | None = None
+
+
+class _SliceRecord(BaseModel):
+    """The slice fields an attempt recorded with its price (`PRICED_SLICE_FIELDS`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    provider: str | None = None
+    devices: int | None = Field(None, ge=1)
+    accelerator_type: str | None = None
+    zone: str | None = None
+    capacity: str | None = None
+
+
+def readable_pricing(event: dict[str, Any]) -> bool:
+    """Whether an event's `price` and `slice` records, if any, are as `attempt_pricing`
+    writes them. A damaged one (null, a string, a field of another type: a hand edit)
+    failed the run's landing and `tpupipe report` with a TypeError naming no file; the
+    ledger drops it, and prices the attempt as one that recorded none."""
+    try:
+        if "price" in event:
+            _PriceRecord.model_validate(event["price"])
+        if "slice" in event:
+            _SliceRecord.model_validate(event["slice"])
+    except ValidationError:
+        return False
+    return True
+
+
 def recorded_price(event: dict[str, Any]) -> Price:
-    """The price an attempt recorded (an event carrying `attempt_pricing`'s fields)."""
-    return Price(**event["price"])
+    """The price an attempt recorded (an event carrying `attempt_pricing`'s fields, which
+    `readable_pricing` accepts)."""
+    return Price(**_PriceRecord.model_validate(event["price"]).model_dump())
 
 
 def reprice(config: PipelineConfig, event: dict[str, Any]) -> Price:

@@ -8,6 +8,7 @@ on a local or gs:// storage root, with no Prefect and no metrics sink.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +22,8 @@ from workloads.config import CostConfig, PipelineConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.events import EVENTS
 from workloads.rundir import CONFIG, EVAL, RunDir, read_json
+
+log = logging.getLogger(__name__)
 
 REPORT_PNG = "report.png"
 # Columns of the timeline table: the buckets an attempt has (idle is between attempts).
@@ -115,9 +118,22 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         ledger=ledger,
         price=price,
         metrics=RunDir(run_dir).step_metrics(),  # a step trained again: its last row
-        # Damaged, it is left out with a warning naming it, as a damaged config.json is.
-        evaluation=read_json(epath.Path(run_dir) / EVAL, unreadable_as_missing=True),
+        evaluation=_evaluation(epath.Path(run_dir) / EVAL),
     )
+
+
+def _evaluation(path: epath.Path) -> dict | None:
+    """`eval.json`, or None. Damaged, it is left out with a warning naming it, as a
+    damaged config.json is; so is one whose loss or step is not a number (a loss "x"
+    failed the report with a format error)."""
+    ev = read_json(path, unreadable_as_missing=True)
+    if ev is None:
+        return None
+    loss, step = ev.get("loss"), ev.get("step")
+    if isinstance(loss, int | float) and isinstance(step, int) and not isinstance(step, bool):
+        return ev
+    log.warning("%s holds loss %r at step %r, not an evaluation: left out", path, loss, step)
+    return None
 
 
 def _run_config(run_dir: str) -> PipelineConfig | None:
@@ -177,13 +193,23 @@ def format_report(report: RunReport) -> str:
         f"attempts {good.attempts}, preempted {good.preemptions}; wall {good.wall_s:.1f}s{over}; "
         f"goodput {ratio} (productive {good.seconds['productive']:.1f}s)",
         f"badput: {badput}",
-        f"steps that count: {ledger.steps} x {ledger.tokens_per_step:,} tokens "
-        f"= {ledger.tokens:,} training tokens",
+        _tokens_line(ledger, report.config is not None),
         f"cost: {_usd(ledger.cost_usd)} for {ledger.chip_hours:.4f} chip-hours "
         f"({_chips(ledger)}); per 1M training tokens: {_usd(ledger.cost_per_million_tokens)}",
     ]
     loss = _loss_line(report)
     return "\n".join([*lines, *([loss] if loss else [])])
+
+
+def _tokens_line(ledger: Ledger, sized: bool) -> str:
+    """The steps that count and their tokens; without a config (unreadable), a step's
+    tokens are unknown, not 0 (it read "= 0 training tokens" beside a cost)."""
+    if not sized:
+        return f"steps that count: {ledger.steps} (tokens unknown: no readable config.json)"
+    return (
+        f"steps that count: {ledger.steps} x {ledger.tokens_per_step:,} tokens "
+        f"= {ledger.tokens:,} training tokens"
+    )
 
 
 def origin(ledger: Ledger) -> float:

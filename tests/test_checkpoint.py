@@ -90,7 +90,7 @@ def test_verify_checks_the_data_iterator_against_the_run(tmp_path, state):
     assert checkpoint.verify_checkpoint(str(tmp_path), 10, "h1", ours).step == 10
     seen = []
     theirs = partial(layout_problem, {**layout, "records": "theirs"})
-    with pytest.raises(checkpoint.CheckpointError, match="records=ours; this run's .*=theirs"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"records=ours; this run's .*=theirs"):
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1", theirs, lambda *a: seen.append(a))
     assert seen and seen[0][0] == 10 and "other data" in seen[0][1]
     assert checkpoint.latest_step(str(tmp_path)) is None  # quarantined

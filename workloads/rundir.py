@@ -179,7 +179,9 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every complete metrics row; a torn last line (killed mid-write) is skipped, as
         is any line that is not a row the workload writes (not JSON, not UTF-8, or not an
-        object with an integer `step`): landing keys every row by its step."""
+        object with a 64-bit `step`, numbers (or null) for its metrics and a `time` a clock
+        gives): landing keys every row by its step, and a loss "oops" or a step past 64
+        bits failed the landing of the run's `runs` row, naming neither file nor line."""
         path = self.path / METRICS
         if not path.exists():
             return []
@@ -189,7 +191,7 @@ class RunDir:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and _is_int(row.get("step")):
+            if isinstance(row, dict) and _is_row(row):
                 rows.append(row)
         return rows
 
@@ -206,3 +208,31 @@ def _step(row: dict[str, Any]) -> int:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What the workload writes in a metrics row as numbers (NaN, a diverged step's loss, too).
+_NUMERIC = (
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "step_time_s",
+    "tokens_per_s",
+    "model_flops_per_token",
+    "mfu",
+    "startup_s",
+    "compile_s",
+)
+MAX_TIME = 10.0**10  # epoch seconds (the year 2286): a later `time` is no clock's reading
+
+
+def _is_row(row: dict[str, Any]) -> bool:
+    step, when = row.get("step"), row.get("time")
+    if not _is_int(step) or not 0 <= step < 2**63:
+        return False
+    for key in _NUMERIC:
+        value = row.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            return False
+    if when is None:
+        return True
+    return isinstance(when, int | float) and not isinstance(when, bool) and 0 <= when < MAX_TIME
