@@ -3,10 +3,12 @@
     tpupipe shard --source corpus/ --out .tpupipe/datasets
     tpupipe shard --source 'gs://bucket/c4/*.jsonl.gz' --format jsonl --text-field text \\
         --out /data/datasets --workers 8
+    tpupipe shard --source corpus/ --out gs://bucket/datasets   # sharded locally, uploaded
 
 Prints the dataset directory on stdout; exits 0 when the dataset is complete (written now or
-found cached), 1 on bad input (the message names the file and line, row or offset) or an
---out that is not a writable directory, 2 on invalid options, 3 when a worker process died
+found cached), 1 on bad input (the message names the file and line, row or offset), an
+--out that is not a writable directory, or a gs:// one whose bucket does not exist or
+refused the upload, 2 on invalid options, 3 when a worker process died
 (out of memory?: run again); Ctrl-C, SIGTERM and SIGHUP stop it with one line (130, 143,
 129). A run failed on bad input leaves nothing under --out; a killed or stopped one, or one
 whose worker died, leaves its finished work for the next run.
@@ -152,8 +154,12 @@ def _run(args: argparse.Namespace) -> int:
     from workloads.listing import check_out_root
     from workloads.sources import DatasetError
 
+    remote = args.out.startswith("gs://")
     try:  # an option conflict (exit 2), not bad input: checked before any source is read
-        check_out_root(cfg.sources, args.out)
+        if "://" in args.out and not remote:
+            raise DatasetError(f"{args.out!r}: a datasets directory is local or gs://")
+        if not remote:
+            check_out_root(cfg.sources, args.out)
     except DatasetError as exc:
         print(f"invalid options:\n  --out: {exc}", file=sys.stderr)
         return 2
@@ -178,6 +184,17 @@ def _run(args: argparse.Namespace) -> int:
         from infra.gcp.clients import CredentialsError
         from tasks.prepare import shard_corpus
 
+    out_root, bucket = args.out, None
+    if remote:  # sharded in the local cache, as a run does, then published, manifest last
+        try:
+            bucket = _bucket(args.out)
+        except (CredentialsError, DatasetError) as exc:
+            print(f"sharding failed: {_without_block_hint(exc)}", file=sys.stderr)
+            return 1
+        from workloads.dataset_cache import cache_root
+
+        out_root = cache_root()
+
     bars: dict[str, Any] = {}
     with Progress(
         TextColumn("{task.description:>8}"),
@@ -195,14 +212,17 @@ def _run(args: argparse.Namespace) -> int:
             view.update(bars[stage], completed=done, total=total)
 
         try:
-            result = shard_corpus(cfg, args.out, progress=progress)
+            result = shard_corpus(cfg, out_root, progress=progress)
+            if bucket is not None:
+                result = _published(result, args.out, bucket)
         except (DatasetError, WorkerDied) as exc:
             view.stop()
             print(f"sharding failed: {exc}", file=sys.stderr)
             return 3 if isinstance(exc, WorkerDied) else 1
         except CredentialsError as exc:  # gs:// sources without usable credentials
             view.stop()
-            print(f"sharding failed: cannot read gs:// sources: {exc}", file=sys.stderr)
+            reason = _without_block_hint(exc)
+            print(f"sharding failed: cannot read gs:// sources: {reason}", file=sys.stderr)
             return 1
     splits = result.manifest["splits"]
     state = "found (cached)" if result.cached else "written"
@@ -213,3 +233,52 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(result.dataset_dir)
     return 0
+
+
+def _published(result: Any, out: str, client: Any) -> Any:
+    """`result` once its dataset is whole under `out` (gs://): uploaded, manifest last,
+    or checked and repaired where one is there already (`tasks.remote.publish_dataset`).
+
+    Raises:
+        DatasetError: naming the dataset, when Cloud Storage refused or failed the upload.
+    """
+    from google.api_core import exceptions as gexc
+
+    from tasks.remote import publish_dataset
+    from workloads.sources import DatasetError
+
+    try:
+        published = publish_dataset(result.dataset_dir, out, None, client)
+    except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
+        raise DatasetError(f"cannot publish {result.dataset_dir} to {out}: {exc}") from None
+    return type(result)(published, result.manifest, result.cached)
+
+
+def _bucket(out: str) -> Any:
+    """A Cloud Storage client for `--out gs://bucket/...`, once the bucket is known to
+    exist (before anything is read or sharded).
+
+    Raises:
+        CredentialsError: no usable credentials.
+        DatasetError: naming the bucket, when it does not exist or cannot be listed.
+    """
+    from google.api_core import exceptions as gexc
+
+    from infra.gcp import clients, gcs
+    from workloads.sources import DatasetError
+
+    client = clients.storage_client()
+    name, _ = gcs.split_uri(out)
+    try:
+        found = gcs.bucket_exists(client, name)
+    except gexc.GoogleAPICallError as exc:
+        raise DatasetError(f"--out {out}: cannot look up bucket gs://{name}: {exc}") from None
+    if not found:
+        raise DatasetError(f"--out {out}: bucket gs://{name} does not exist")
+    return client
+
+
+def _without_block_hint(exc: BaseException) -> str:
+    """The credentials error without its hint of `credentials_block`, a config field
+    this command has no option for."""
+    return str(exc).removesuffix(", or set credentials_block")

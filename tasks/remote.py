@@ -95,7 +95,9 @@ def check_gcs_places(config: PipelineConfig, client: Any = None) -> None:
             )
 
 
-def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) -> str:
+def publish_dataset(
+    local_dir: str, datasets_root: str, config: PipelineConfig | None, client: Any = None
+) -> str:
     """Make the dataset under `datasets_root` (gs://) whole: upload it, manifest last, if
     it has no manifest there (or one that does not parse); otherwise check, from one
     listing, that every shard the remote manifest lists exists with its recorded size and,
@@ -113,7 +115,8 @@ def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) 
     Args:
         local_dir: The orchestrator's complete copy of the dataset.
         datasets_root: `<storage.root>/datasets`.
-        config: For the storage client's settings.
+        config: For the storage client's settings (unused when `client` is given).
+        client: A Cloud Storage client (`tpupipe shard --out gs://...` has no config).
 
     Returns:
         The remote dataset directory.
@@ -126,7 +129,7 @@ def publish_dataset(local_dir: str, datasets_root: str, config: PipelineConfig) 
     from infra.gcp import gcs
 
     remote = f"{datasets_root.rstrip('/')}/{os.path.basename(local_dir.rstrip('/'))}"
-    client = storage_client(config)
+    client = client or storage_client(config)
     text = gcs.read_bytes(client, f"{remote}/{data.MANIFEST}")
     try:
         manifest = json.loads(text) if text is not None else None

@@ -74,3 +74,11 @@ def test_tpupipe_shard_of_gs_sources_without_credentials_says_so_in_one_line(no_
     err = capsys.readouterr().err
     assert "sharding failed: cannot read gs:// sources: " in err
     assert "gcloud auth application-default login" in err and "Traceback" not in err
+    assert "credentials_block" not in err  # a config field, no option of this command
+    # The same for a gs:// --out, before any source is read.
+    local = no_gcloud / "corpus.txt"
+    local.write_text("text\n")
+    assert main(["shard", "--source", str(local), "--out", "gs://corpus-bucket/ds"]) == 1
+    err = capsys.readouterr().err
+    assert "sharding failed: no Application Default Credentials" in err
+    assert "credentials_block" not in err and "Traceback" not in err

@@ -85,7 +85,13 @@ def expand_uri(entry: str, store: SourceStore | None) -> list[SourceFile]:
             )
         matches, dirs_only = [("", top)], True
         # "gs://b/data.txt" names one object; a name both object and prefix gives both.
-        out = [_file(o, o.uri.rsplit("/", 1)[1]) for o in listing if o.uri == entry]
+        # "gs://b/corpus/" names the "directory" placeholder a console's "Create folder"
+        # leaves: no text (it was read as one more, empty, document).
+        out = [
+            _file(o, o.uri.rsplit("/", 1)[1])
+            for o in listing
+            if o.uri == entry and not o.uri.endswith("/")
+        ]
     for path, node in matches:
         if node.file is not None and not dirs_only:
             out.append(_file(node.file, path))

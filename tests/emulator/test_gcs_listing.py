@@ -119,3 +119,21 @@ def test_a_name_with_glob_characters_is_taken_literally_when_it_exists(
         assert keys(root + "a[1].jsonl", store) == ["a[1].jsonl"], where
         assert keys(root + "d[2]", store) == ["c.jsonl"], where  # a directory of that name
         assert keys(root + "[ab]*.jsonl", store) == ["a[1].jsonl", "b.jsonl"], where
+
+
+def test_folder_placeholders_are_no_documents_whatever_the_entry_names(
+    tmp_path, gcs_client, bucket
+):
+    # The Cloud Console's "Create folder" leaves a zero-byte object "t/" (and "t/sub/"):
+    # named by the entry itself, it was read as one more, empty, document (key "").
+    local = put_tree(tmp_path, gcs_client, bucket, {"a.txt": b"a\n", "sub/b.txt": b"b\n"})
+    for name in ("t/", "t/sub/"):
+        gcs_client.bucket(bucket).blob(name).upload_from_string(b"")
+    uri = f"gs://{bucket}/t/"
+    store = source_storage([uri])
+    assert keys(uri, store) == keys(str(local)) == ["a.txt", "sub/b.txt"]
+    assert keys(f"{uri}sub/", store) == ["b.txt"]
+    # A "folder" holding nothing but its placeholder matches no file, as an empty one does.
+    gcs_client.bucket(bucket).blob("empty/").upload_from_string(b"")
+    with pytest.raises(DatasetError, match="matches no file"):
+        keys(f"gs://{bucket}/empty/", store)
