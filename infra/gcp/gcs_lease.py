@@ -11,8 +11,11 @@ creator wins. Its holder rewrites it every `renew_every_s` seconds, each time on
 still the generation it wrote, so a lock taken over is never written back. A holder that
 dies stops renewing: once the object is older than `ttl_s` (by Cloud Storage's own `updated`
 time) it is stale, and the next taker replaces it, again only if it is the generation it
-judged stale. A holder on this very host whose process is gone is stale at once, so the
-rerun of a killed orchestrator does not wait `ttl_s`.
+judged stale. A holder on this very machine whose process is gone is stale at once, so the
+rerun of a killed orchestrator does not wait `ttl_s`. "This very machine" is this boot of
+this kernel in this process namespace (`this_machine`), not the hostname: containers
+given one `--hostname`, and VMs cloned from one image, share theirs, and a live holder on
+another such machine was taken over at once (its pid is no process here).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from typing import Any
 from google.api_core import exceptions as gexc
 
 from infra.gcp.gcs import split_uri
+from infra.slices.procs import start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class GcsLease:
     ):
         # The token tells our own write from another holder's when a retried request was
         # answered 412 although its first try had succeeded.
-        self.owner = {**owner, "token": secrets.token_hex(8)}
+        self.owner = {**self.record(owner), "token": secrets.token_hex(8)}
         self._body = json.dumps(self.owner)  # what every write of ours puts in the object
         self.uri, self.ttl_s, self.renew_every_s = uri, ttl_s, renew_every_s
         self._clock = clock
@@ -91,6 +94,14 @@ class GcsLease:
         self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def record(owner: dict) -> dict:
+        """What the lock object records of holder `owner`: for one with a pid, also its
+        machine (`this_machine`) and its process's start, which tell it gone at once."""
+        if not isinstance(owner.get("pid"), int):
+            return dict(owner)
+        return {**owner, "machine": this_machine(), "started": start_ticks(owner["pid"])}
 
     def acquire(self) -> None:
         """Create the lock, or replace a stale one; then renew it in the background.
@@ -204,14 +215,30 @@ def _holder(blob: Any) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
+def this_machine() -> str | None:
+    """This boot of this kernel (its random boot id) and this process namespace: where a
+    pid names one process. None where /proc does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{boot}/{namespace}"
+
+
 def _gone_from_this_host(holder: dict) -> bool:
-    """The holder ran on this host and its process no longer exists."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    """The holder ran on this machine (`this_machine`) and its process no longer exists
+    (or its pid is another process's now). A record without a machine (an older version's)
+    is never judged so: it is stale only after the TTL."""
+    pid, mine = holder.get("pid"), this_machine()
+    if mine is None or holder.get("machine") != mine or not isinstance(pid, int):
         return False
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False  # alive, another user's
-    return False
+        pass  # alive, another user's
+    started = holder.get("started")
+    return started is not None and start_ticks(pid) != started

@@ -66,6 +66,7 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_lets_go(gcs_client, bucke
 
 
 def test_a_holder_gone_from_this_host_is_replaced_at_once(gcs_client, bucket):
+    uri = f"gs://{bucket}/root/locks/r.lock"
     blob = gcs_client.bucket(bucket).blob("root/locks/r.lock")
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -73,16 +74,53 @@ def test_a_holder_gone_from_this_host_is_replaced_at_once(gcs_client, bucket):
         capture_output=True,
         text=True,
     )
-    blob.upload_from_string(json.dumps(owner(socket.gethostname(), int(gone.stdout))))
-    rerun = GcsLease(gcs_client, f"gs://{bucket}/root/locks/r.lock", owner("here", 33))
+    blob.upload_from_string(
+        json.dumps(GcsLease.record(owner(socket.gethostname(), int(gone.stdout))))
+    )
+    rerun = GcsLease(gcs_client, uri, owner("here", 33))
     rerun.acquire()  # no wait for the TTL: a killed orchestrator's rerun goes on at once
     rerun.release()
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        blob.upload_from_string(json.dumps(owner(socket.gethostname(), alive.pid)))
+        blob.upload_from_string(json.dumps(GcsLease.record(owner(socket.gethostname(), alive.pid))))
         with pytest.raises(LeaseHeld, match=f"pid {alive.pid} on {socket.gethostname()}"):
-            GcsLease(gcs_client, f"gs://{bucket}/root/locks/r.lock", owner("here", 33)).acquire()
+            GcsLease(gcs_client, uri, owner("here", 33)).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_live_holder_on_another_machine_of_this_hostname_is_not_taken_over(gcs_client, bucket):
+    # Containers given one --hostname, VMs cloned from one image: the holder's pid is no
+    # process here, and its lock, renewed a moment ago, was taken over at once; two
+    # orchestrators then ran the run and deleted each other's slices.
+    uri = f"gs://{bucket}/root/locks/r.lock"
+    blob = gcs_client.bucket(bucket).blob("root/locks/r.lock")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    record = GcsLease.record(owner(socket.gethostname(), int(gone.stdout)))
+    for elsewhere in (
+        {**record, "machine": "another-boot/4026531836"},
+        owner(socket.gethostname(), int(gone.stdout)),
+    ):
+        # Another machine's record, and an older version's (no machine): live until the TTL.
+        blob.upload_from_string(json.dumps(elsewhere))
+        with pytest.raises(LeaseHeld, match=f"pid {gone.stdout.strip()} on {socket.gethostname()}"):
+            GcsLease(gcs_client, uri, owner("here", 33)).acquire()
+    # Its pid reused by another process here: the holder is gone all the same.
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        blob.upload_from_string(
+            json.dumps({**GcsLease.record(owner(socket.gethostname(), alive.pid)), "started": "1"})
+        )
+        taker = GcsLease(gcs_client, uri, owner("here", 33))
+        taker.acquire()
+        taker.release()
     finally:
         alive.kill()
         alive.wait()
