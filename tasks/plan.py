@@ -114,6 +114,16 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     )
 
 
+# Defaults that changed between versions: a run created before, rerun with the same config
+# file, differs in the field without its user changing anything. Each says how to resume.
+_DEFAULT_CHANGES = {
+    ("dataset.errors", "strict", "replace"): (
+        " (sources [stdlib] alone read with errors=replace when errors is not set, since "
+        "2026-11-25: add --set dataset.errors=strict to resume a run created before)"
+    ),
+}
+
+
 def check_resumable(
     config: PipelineConfig,
     plan: RunPlan,
@@ -149,7 +159,10 @@ def check_resumable(
     if stored is None:
         return plan
     old, new = training_fields(stored.pipeline), training_fields(config)
-    diffs = [f"{k}: {old_v!r} -> {new_v!r}" for k, old_v, new_v in _diff(old, new)]
+    diffs = [
+        f"{k}: {old_v!r} -> {new_v!r}{_DEFAULT_CHANGES.get((k, old_v, new_v), '')}"
+        for k, old_v, new_v in _diff(old, new)
+    ]
     if diffs:
         raise ConfigError(
             f"run {plan.run_name!r} already exists in {plan.run_dir} with a different "

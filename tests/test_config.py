@@ -153,6 +153,20 @@ def test_a_rerun_may_change_cadence_but_not_training(tmp_path):
         check_resumable(lr, plan_run(lr))
 
 
+def test_a_run_stored_under_an_older_default_says_how_to_resume_it(tmp_path):
+    # Created before [stdlib] alone read with errors=replace: the same config file was
+    # refused as another training config, with no word of why or what to do.
+    old = PipelineConfig(
+        run_name="r", storage={"root": str(tmp_path)}, dataset={"errors": "strict"}
+    )
+    write_workload_config(old, plan_run(old), str(tmp_path / "data"))
+    cfg = PipelineConfig(run_name="r", storage={"root": str(tmp_path)})
+    assert cfg.dataset.errors == "replace"
+    with pytest.raises(ConfigError, match=r"add --set dataset.errors=strict to resume a run"):
+        check_resumable(cfg, plan_run(cfg))
+    assert check_resumable(old, plan_run(old)).config_hash == plan_run(old).config_hash
+
+
 def test_a_run_keeps_the_hash_its_checkpoints_carry(tmp_path):
     # A run created by an older version, whose hash covered other fields: same training.
     cfg = PipelineConfig(run_name="r", storage={"root": str(tmp_path)})
