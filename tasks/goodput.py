@@ -73,8 +73,10 @@ class AttemptTimeline:
 
     attempt: int
     # completed / preempted / failed; "abandoned": no attempt_ended event, yet a later
-    # attempt exists (its orchestrator was killed, and a rerun took over); None: no
-    # attempt_ended event in the last attempt (still running, or killed and not rerun)
+    # attempt exists (its orchestrator was killed, and a rerun took over); "finished": the
+    # last attempt's workload finished training, but no attempt_ended event (its
+    # orchestrator was killed, and it read "running?"); None: neither (still running, or
+    # killed and not rerun)
     outcome: str | None
     requested: float | None  # first provisioning request
     ready: float | None  # slice ready (the last, if it was created more than once)
@@ -173,6 +175,8 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
         outcomes = [e.get("outcome") for e in evs if e["event"] == "attempt_ended"]
         if not outcomes and i < len(attempts) - 1:
             outcomes = ["abandoned"]  # a later attempt exists: this one runs no more
+        elif not outcomes and "finished" in t:
+            outcomes = ["finished"]  # its workload finished; its orchestrator never said
         line = AttemptTimeline(
             attempt=attempt,
             outcome="preempted" if "preempted" in outcomes else (outcomes or [None])[-1],

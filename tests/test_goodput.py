@@ -170,3 +170,12 @@ def test_an_attempt_a_killed_orchestrator_left_reads_abandoned_once_a_rerun_took
     assert [t.outcome for t in attempt_timelines(orphan)] == [None]  # maybe still running
     assert [t.outcome for t in attempt_timelines([*orphan, *rerun])] == ["abandoned", "completed"]
     assert compute_goodput([*orphan, *rerun]).preemptions == 0
+
+
+def test_a_finished_workload_whose_orchestrator_was_killed_reads_finished():
+    # Its workload trained to the end alone; the report showed it "running?".
+    done = attempt_events(1, 0, 0, 10, "completed", invocation="a")
+    orphan = [e for e in done if e["event"] not in ("attempt_ended", "deleted")]
+    assert any(e["event"] == "finished" for e in orphan)
+    assert [t.outcome for t in attempt_timelines(orphan)] == ["finished"]
+    assert compute_goodput(orphan).preemptions == 0
