@@ -65,18 +65,22 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_lets_go(gcs_client, bucke
         taker.release()
 
 
-def test_a_holder_gone_from_this_host_is_replaced_at_once(gcs_client, bucket):
-    uri = f"gs://{bucket}/root/locks/r.lock"
-    blob = gcs_client.bucket(bucket).blob("root/locks/r.lock")
-    gone = subprocess.run(
+def gone_pid() -> int:
+    """The pid of a process of this machine that has exited."""
+    done = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         check=True,
         capture_output=True,
         text=True,
     )
-    blob.upload_from_string(
-        json.dumps(GcsLease.record(owner(socket.gethostname(), int(gone.stdout))))
-    )
+    return int(done.stdout)
+
+
+def test_a_holder_gone_from_this_host_is_replaced_at_once(gcs_client, bucket):
+    uri = f"gs://{bucket}/root/locks/r.lock"
+    blob = gcs_client.bucket(bucket).blob("root/locks/r.lock")
+    gone = gone_pid()
+    blob.upload_from_string(json.dumps(GcsLease.record(owner(socket.gethostname(), gone))))
     rerun = GcsLease(gcs_client, uri, owner("here", 33))
     rerun.acquire()  # no wait for the TTL: a killed orchestrator's rerun goes on at once
     rerun.release()
@@ -97,20 +101,15 @@ def test_a_live_holder_on_another_machine_of_this_hostname_is_not_taken_over(gcs
     # orchestrators then ran the run and deleted each other's slices.
     uri = f"gs://{bucket}/root/locks/r.lock"
     blob = gcs_client.bucket(bucket).blob("root/locks/r.lock")
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    record = GcsLease.record(owner(socket.gethostname(), int(gone.stdout)))
+    gone = gone_pid()
+    record = GcsLease.record(owner(socket.gethostname(), gone))
     for elsewhere in (
         {**record, "machine": "another-boot/4026531836"},
-        owner(socket.gethostname(), int(gone.stdout)),
+        owner(socket.gethostname(), gone),
     ):
         # Another machine's record, and an older version's (no machine): live until the TTL.
         blob.upload_from_string(json.dumps(elsewhere))
-        with pytest.raises(LeaseHeld, match=f"pid {gone.stdout.strip()} on {socket.gethostname()}"):
+        with pytest.raises(LeaseHeld, match=f"pid {gone} on {socket.gethostname()}"):
             GcsLease(gcs_client, uri, owner("here", 33)).acquire()
     # Its pid reused by another process here: the holder is gone all the same.
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
