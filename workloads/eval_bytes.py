@@ -11,8 +11,11 @@ A Hugging Face tokenizer's tokens are decoded back to text a document at a time:
 records of the eval split are consecutive pieces of one token stream (each predicts the
 ids after the last one's), so a document cut by a record boundary is decoded whole. That
 is byte-exact for byte-level BPE; a normalizing tokenizer (lowercasing, stripping
-accents) gives the normalized text's bytes, and an unknown token (`[UNK]`, from a
-tokenizer without every byte) counts as its name.
+accents) gives the normalized text's bytes, an unknown token (`[UNK]`, from a
+tokenizer without every byte) counts as its name, and a tokenizer without a decoder that
+restores its pre-tokenizer's splits (a `Whitespace` pre-tokenizer with no decoder joins its
+tokens with spaces, and drops the newlines) gives the bytes of that joined text: a probe
+counted 13,051 bytes for 12,870 of text, 1.4% off.
 """
 
 from __future__ import annotations
