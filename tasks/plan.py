@@ -282,7 +282,7 @@ def slice_labels(
     knows: the backstop when an orchestrator died and its flow run's state is stale.
     `run-root` tells the slices of one run name under two storage roots apart: they share
     the slice name (two buckets' `nightly` in one project's zone), and neither run may
-    delete the other's slice (`tasks.training.owned_slice`).
+    delete the other's slice (`tasks.own_slice`).
     """
     labels = {"managed-by": MANAGED_BY, "run-id": plan.run_id, ROOT_LABEL: root_tag(plan)}
     if ttl_s is not None:

@@ -5,13 +5,16 @@ flow run's id. They cannot run if the orchestrator is SIGKILLed, so the reaper l
 every slice labelled as this project's and deletes those whose owner is gone: its flow
 run is in a terminal state, its `ttl` label has passed, or (local slices) the process that
 created it no longer exists.
+
+A slice name can exist in several zones at once (runs of one run name under two storage
+roots), and `list` shows each copy: every decision deletes only the copy it was made on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from infra.slices import PartialListError, build_provider
@@ -58,16 +61,26 @@ def delete_flow_run_slices(flow, flow_run, state) -> None:
         TeardownError: some could not be deleted; every other one was.
     """
     provider = provider_for(_config_of(flow_run.parameters))
-    listed, failed = listed_slices(provider, {"flow-run-id": str(flow_run.id)})
+    run_id = str(flow_run.id)
+    listed, failed = listed_slices(provider, {"flow-run-id": run_id})
     for status in listed:
         try:
-            provider.delete(status.name)
+            # Only this flow run's copy: another run's slice of the same name (a run name
+            # under another storage root) can stand in another zone.
+            provider.delete(status.name, where=lambda labels: labels.get("flow-run-id") == run_id)
         except Exception as e:  # the next slice must still go: the error is raised below
             failed.append((status.name, e))
             continue
         log.warning("flow run %s is %s: deleted slice %s", flow_run.id, state.type, status.name)
     if failed:
         raise TeardownError(failed)
+
+
+def same_labels(labels: dict[str, str]) -> Callable[[Mapping[str, str]], bool]:
+    """The test of a copy being the listed one: the same labels (each create's own `ttl`,
+    and on gcp its `launch`, tell two copies of one name apart)."""
+    wanted = dict(labels)
+    return lambda found: dict(found) == wanted
 
 
 def listed_slices(provider, labels: dict[str, str]) -> tuple[list, list[tuple[str, Exception]]]:
@@ -134,7 +147,9 @@ def reap(
                 status.labels, state, now, owner_gone(status.name) if owner_gone else None
             )
             if reason:
-                provider.delete(status.name)
+                # Only the copy judged: the name can stand in another zone too, another
+                # run's slice (a run name under another storage root) whose owner lives.
+                provider.delete(status.name, where=same_labels(status.labels))
         except Exception as e:
             failed.append((status.name, e))
             continue

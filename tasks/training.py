@@ -23,10 +23,11 @@ from prefect import Task, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
-from infra.slices import ProvisioningError, SliceSpec, SliceState, build_provider
+from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
-from tasks.plan import ROOT_LABEL, RunPlan, root_tag, slice_labels, slice_log_path
+from tasks.own_slice import SliceNameTaken, delete_own_slice, foreign_slice, own_copy
+from tasks.plan import RunPlan, slice_labels, slice_log_path
 from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
@@ -68,41 +69,6 @@ def _recalling_provider(config: PipelineConfig, plan: RunPlan):
             ", ".join(unreachable),
         )
     return provider
-
-
-class SliceNameTaken(RuntimeError):
-    """The run's slice name is held by a slice of a run of the same name under another
-    storage root (same project and zone, another bucket): neither run may delete it."""
-
-
-def foreign_slice(provider, plan: RunPlan) -> str | None:
-    """What holds the run's slice name, when a run under another storage root does; None
-    when the slice is this run's or there is none. A slice labelled before the `run-root`
-    label existed is taken as this run's, as it was before; so is one whose status cannot
-    be read (a gcp status also reads the workers' exit records, in the other run's
-    bucket), as the delete that follows goes on as it did before."""
-    try:
-        status = provider.status(plan.slice_name)
-    except Exception as exc:  # see the docstring
-        log.warning("slice %s: could not read its labels: %s", plan.slice_name, exc)
-        return None
-    theirs = status.labels.get(ROOT_LABEL)
-    if status.state is SliceState.NOT_FOUND or theirs in (None, root_tag(plan)):
-        return None
-    return (
-        f"slice {plan.slice_name!r} ({status.state.value}) belongs to a run of the same name "
-        f"under another storage root (its label {ROOT_LABEL}={theirs}; this run's root "
-        f"{plan.storage_root} is {ROOT_LABEL}={root_tag(plan)})"
-    )
-
-
-def delete_own_slice(provider, plan: RunPlan, logger) -> bool | None:
-    """Delete the run's slice, unless a run under another storage root holds its name:
-    that slice is logged and left standing (None). True if something was deleted."""
-    if (other := foreign_slice(provider, plan)) is not None:
-        logger.warning("%s: left standing", other)
-        return None
-    return provider.delete(plan.slice_name)
 
 
 def workload_command(config_path: str) -> list[str]:
@@ -149,7 +115,7 @@ def provision_slice(
     # a run under another storage root holds is not ours to delete: the create would.
     if (other := foreign_slice(provider, plan)) is not None:
         raise SliceNameTaken(f"{other}: wait for it to end, or choose another run_name")
-    provider.delete(plan.slice_name)
+    provider.delete(plan.slice_name, where=own_copy(plan))
     spec = SliceSpec(
         name=plan.slice_name,
         labels=slice_labels(plan, attempt=attempt, ttl_s=config.slice.max_lifetime_s),

@@ -23,11 +23,11 @@ def test_a_failed_delete_after_a_preemption_does_not_replace_it(
     real_delete = LocalSliceProvider.delete
     refused = []
 
-    def refuse_once_while_running(self, name, grace_s=5.0):
+    def refuse_once_while_running(self, name, grace_s=5.0, where=None):
         if not refused and self.status(name).state.value == "READY":
             refused.append(name)
             raise SliceError(f"slice {name}: delete refused (injected)")
-        return real_delete(self, name, grace_s)
+        return real_delete(self, name, grace_s, where=where)
 
     monkeypatch.setattr(LocalSliceProvider, "delete", refuse_once_while_running)
     config = tiny_config(

@@ -227,6 +227,22 @@ def test_a_program_that_cannot_start_fails_for_good_and_a_lack_of_processes_is_r
     assert provider.status("busy").state is SliceState.NOT_FOUND
 
 
+def test_delete_where_takes_only_a_slice_whose_labels_pass(provider, tmp_path):
+    """The run-root of two runs of one name told apart: a delete restricted to the other
+    root's labels leaves the slice running; one matching them deletes it."""
+    provider.create(_spec(tmp_path, "named", SLEEPER, labels={"run-root": "aaaa"}))
+    assert [s.labels for s in provider.copies("named")] == [{"run-root": "aaaa"}]
+    assert (
+        provider.delete("named", grace_s=0, where=lambda lb: lb.get("run-root") == "bbbb") is False
+    )
+    assert provider.status("named").state is SliceState.READY
+    assert (
+        provider.delete("named", grace_s=0, where=lambda lb: lb.get("run-root") == "aaaa") is True
+    )
+    assert provider.status("named").state is SliceState.NOT_FOUND
+    assert provider.copies("named") == []
+
+
 def test_delete_unknown_is_false(provider):
     assert provider.delete("never-existed") is False
     assert provider.status("never-existed").state is SliceState.NOT_FOUND

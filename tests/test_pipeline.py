@@ -291,9 +291,9 @@ def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkey
     seen_at_teardown = []
     real_delete = LocalSliceProvider.delete
 
-    def delete_and_record(self, name, grace_s=5.0):
+    def delete_and_record(self, name, grace_s=5.0, where=None):
         seen_at_teardown.append(self.status(name).state.value)
-        return real_delete(self, name, grace_s)
+        return real_delete(self, name, grace_s, where=where)
 
     monkeypatch.setattr(LocalSliceProvider, "delete", delete_and_record)
     config = tiny_config(
@@ -331,7 +331,7 @@ def test_a_signal_stays_the_cause_when_the_teardown_after_it_fails(
 
         return train
 
-    def refuse(self, name, grace_s=5.0):
+    def refuse(self, name, grace_s=5.0, where=None):
         raise SliceError(f"slice {name!r} could not be deleted: 503")
 
     monkeypatch.setattr(pipeline, "train_with_retries", interrupted)

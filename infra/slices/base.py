@@ -8,7 +8,7 @@ so a config that works locally does not fail later when it reaches a real TPU.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -20,6 +20,10 @@ _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # GCP label keys start with a letter; keys and values are lowercase, digits, '_' and '-'.
 _LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+
+# Which copies of a slice name a delete may take, judged on each copy's labels: slices of
+# one name can exist in several places at once (two runs' nodes in two zones).
+LabelTest = Callable[[Mapping[str, str]], bool]
 
 
 class SliceError(RuntimeError):
@@ -178,12 +182,23 @@ class SliceProvider(Protocol):
         """
         ...
 
-    def delete(self, name: str, grace_s: float = 5.0) -> bool:
-        """Delete the slice, idempotently: True if something was deleted, False if not found."""
+    def delete(self, name: str, grace_s: float = 5.0, *, where: LabelTest | None = None) -> bool:
+        """Delete the slice, idempotently: True if something was deleted, False if not found.
+
+        With `where`, only the copies of the name whose labels it accepts are deleted (a
+        provider with several places, such as zones, judges each place's copy on its own);
+        None deletes every copy.
+        """
+        ...
+
+    def copies(self, name: str) -> list[SliceStatus]:
+        """Every copy of slice `name` that exists, one per place holding it (a zone), with
+        its state and labels; the exit code may be left unread (None)."""
         ...
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
-        """Slices whose labels include every given pair (all slices when labels is None).
+        """Slices whose labels include every given pair (all slices when labels is None),
+        one status per copy: a name held in two places (zones) is listed twice.
 
         Raises:
             PartialListError: some zones could not be listed; it holds the others' slices.

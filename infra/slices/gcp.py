@@ -5,7 +5,8 @@ Designed from what goes wrong with hand-rolled TPU scripts:
 - Leaked requests: a spot request is a queued resource with a `valid_until` bound, so the
   API drops it even if the orchestrator dies; `delete` and the reaper cancel it earlier.
 - Preempted nodes left behind block the next create of the same name: `create` deletes
-  a PREEMPTED/TERMINATED node of that name first.
+  a PREEMPTED/TERMINATED node of that name first, in its zone only (a live node of the
+  name in another zone, another run's, refuses the create instead).
 - Duplicates: the node id is the slice name, so the API itself refuses a second node; a
   create that is retried after a lost response finds its own node (by its launch label)
   and adopts it instead of failing or creating another.
@@ -35,6 +36,7 @@ from google.api_core import retry as gretry
 from google.cloud import tpu_v2
 
 from infra.slices.base import (
+    LabelTest,
     PartialListError,
     SliceError,
     SliceSpec,
@@ -50,17 +52,18 @@ from infra.slices.gcp_api import (
     exit_status,
     permission_error,
 )
-from infra.slices.gcp_node import TpuSettings, build_node, protocol_state
+from infra.slices.gcp_node import (
+    TpuSettings,
+    build_node,
+    protocol_state,
+    request_labels,
+    request_state,
+)
 from infra.slices.gcp_zone import LAUNCH_LABEL, TpuZones
 
 __all__ = ["CapacityError", "GcpSliceProvider", "TpuPermissionError"]
 
 log = logging.getLogger(__name__)
-
-_QR = tpu_v2.QueuedResourceState.State
-# A spot request whose TPUs were taken back (by the service: a spot reclaim) or are being:
-# its node is gone or going, and the slice must be re-created, as after a preemption.
-_QR_RECLAIMED = (_QR.SUSPENDING, _QR.SUSPENDED)
 
 
 class GcpSliceProvider(TpuZones):
@@ -91,7 +94,8 @@ class GcpSliceProvider(TpuZones):
         """Create the slice and wait until it is READY (its workers then start the workload).
 
         Raises:
-            SliceError: a live slice of that name exists, or the spec cannot run on TPU.
+            SliceError: a live slice of that name exists in any zone (an ended one is
+                deleted first, in its zone only), or the spec cannot run on TPU.
             TpuPermissionError: the caller may not create TPUs (names the role to grant).
             CapacityError: quota or capacity ran out in every zone after the retries.
             ProvisioningError: the slice failed or timed out while being created.
@@ -100,25 +104,7 @@ class GcpSliceProvider(TpuZones):
             return self._create(spec)
 
     def _create(self, spec: SliceSpec) -> SliceStatus:
-        existing = self._find_node(spec.name)
-        if existing is not None:
-            state = protocol_state(existing[1].state)
-            if state in ("READY", "CREATING"):
-                raise SliceError(f"slice {spec.name!r} already exists ({state}); delete it first")
-            log.info("deleting %s slice %s before re-creating it", state, spec.name)
-            self.delete(spec.name)
-        elif (queued := self._find_queued(spec.name)) is not None and queued[1].state.state in (
-            _QR.FAILED,
-            *_QR_RECLAIMED,
-        ):
-            # An ended spot request holds no TPU but keeps its name taken: one that expired
-            # or was reclaimed while no orchestrator watched would refuse every re-create.
-            log.info(
-                "deleting %s spot request %s before re-creating it",
-                queued[1].state.state.name,
-                spec.name,
-            )
-            self.delete(spec.name)
+        self._clear_for_create(spec.name)
         launch_id = secrets.token_hex(4)
         labels = validate_labels(
             {
@@ -177,9 +163,9 @@ class GcpSliceProvider(TpuZones):
         if found is None:
             waiting = self._find_queued(name)
             if waiting is not None:
-                state = _request_state(waiting[1])
+                state = request_state(waiting[1])
                 if state is not SliceState.NOT_FOUND:
-                    return SliceStatus(name, state, None, _request_labels(waiting[1]))
+                    return SliceStatus(name, state, None, request_labels(waiting[1]))
             return SliceStatus(name, SliceState.NOT_FOUND)
         _, node = found
         state, labels = SliceState(protocol_state(node.state)), dict(node.labels)
@@ -189,14 +175,20 @@ class GcpSliceProvider(TpuZones):
                 return SliceStatus(name, SliceState.TERMINATED, ended[0], labels, ended[1])
         return SliceStatus(name, state, None, labels)
 
-    def delete(self, name: str, grace_s: float = 5.0) -> bool:
+    def delete(self, name: str, grace_s: float = 5.0, *, where: LabelTest | None = None) -> bool:
         """Cancel any queued request and delete the node, in every zone; NotFound is done.
 
-        `grace_s` is unused: deleting a TPU VM shuts its workers down, which sends the
-        workload the same SIGTERM a preemption does.
+        Args:
+            name: the slice.
+            grace_s: unused: deleting a TPU VM shuts its workers down, which sends the
+                workload the same SIGTERM a preemption does.
+            where: delete only the zones' copies whose labels pass this test, each read
+                in its zone just before its delete (None: every copy). Runs of one name
+                under two storage roots can hold the node id in two zones at once.
 
         Returns:
-            True if something was deleted or cancelled, False if nothing existed.
+            True if something was deleted or cancelled, False if nothing (that `where`
+            accepts) existed.
 
         Raises:
             SliceError: the API refused the delete in some zone (after its retries); every
@@ -209,7 +201,7 @@ class GcpSliceProvider(TpuZones):
         with self._denied("delete"):
             for zone in list(self._zones_for(name)):
                 try:
-                    deleted = self._delete_in(zone, name) or deleted
+                    deleted = self._delete_in(zone, name, where) or deleted
                 except gexc.Forbidden as e:  # raised once every other zone was cleared
                     denied = denied or gexc.Forbidden(f"in {zone}: {e.message}")
                 except (gexc.GoogleAPICallError, gexc.RetryError) as e:
@@ -219,10 +211,10 @@ class GcpSliceProvider(TpuZones):
         if failed:
             raise SliceError(f"slice {name!r} could not be deleted in {'; '.join(failed)}")
         if not deleted and name in self._unanswered:
-            return self._delete_late_create(name)
+            return self._delete_late_create(name, where)
         return deleted
 
-    def _delete_late_create(self, name: str) -> bool:
+    def _delete_late_create(self, name: str, where: LabelTest | None) -> bool:
         """Watch for the slice of a create request interrupted before its answer, which
         the API may carry out after this process's delete found nothing (a SIGTERM or
         Ctrl-C in the middle of the request): delete it if it appears within
@@ -233,10 +225,23 @@ class GcpSliceProvider(TpuZones):
         while self._clock() < deadline:
             self._sleep(self.settings.poll_s)
             with self._denied("read"):
-                landed = self._find_node(name) or self._find_queued(name)
+                if where is None:
+                    landed = self._find_node(name) or self._find_queued(name)
+                else:  # another run's copy of the name, in another zone, is not it
+                    landed = any(where(c.labels) for c in self._copies(name))
             if landed:
-                return self.delete(name)
+                return self.delete(name, where=where)
         return False
+
+    def copies(self, name: str) -> list[SliceStatus]:
+        """Slice `name` in each zone holding it (its node, or its spot request while that
+        waits), in the order zones are searched; exit records are not read."""
+        with self._denied("read"):
+            return self._copies(validate_name(name))
+
+    def _copies(self, name: str) -> list[SliceStatus]:
+        found = (self._copy_in(zone, name) for zone in list(self._zones_for(name)))
+        return [status for status in found if status is not None]
 
     def placement(self) -> dict[str, Any]:
         """The project and the zones a create may use, in order."""
@@ -257,39 +262,28 @@ class GcpSliceProvider(TpuZones):
         return list(dict.fromkeys(elsewhere))
 
     def list(self, labels: dict[str, str] | None = None) -> list[SliceStatus]:
-        """Slices (nodes, and spot requests still waiting) carrying every given label."""
+        """Slices (nodes, and spot requests still waiting) carrying every given label: one
+        status per zone holding a name, so the reaper and the flow's hooks judge each copy
+        (runs of one name under two storage roots can hold it in two zones)."""
         wanted = (labels or {}).items()
-        found: dict[str, SliceStatus] = {}
+        found: list[SliceStatus] = []
         errors: list[tuple[str, Exception]] = []
         for zone in self.settings.zones:
             # Each zone on its own: one that refuses the list must not hide the slices of
             # the others from the reaper and the flow's hooks, which delete what they see.
             try:
                 with self._denied("list"):
-                    self._list_in(zone, found)
+                    found.extend(self._list_in(zone))
             except (SliceError, gexc.GoogleAPICallError, gexc.RetryError) as e:
                 errors.append((zone, e))
-        listed = [s for _, s in sorted(found.items()) if wanted <= s.labels.items()]
+        # By name; a name's copies in the order of the zones.
+        listed = [s for s in sorted(found, key=lambda s: s.name) if wanted <= s.labels.items()]
         if len(errors) == len(self.settings.zones):
             raise errors[0][1]  # nothing answered: the first zone's error says why
         if errors:
             failed = "; ".join(f"{zone}: {e}" for zone, e in errors)
             raise PartialListError(f"could not list slices in {failed}", listed)
         return listed
-
-    def _list_in(self, zone: str, found: dict[str, SliceStatus]) -> None:
-        # Requests too, whatever the configured capacity: a waiting spot request from an
-        # earlier config still holds a place in the queue and must be found to be cancelled.
-        for qr in self._call(self.tpu.list_queued_resources, parent=self._parent(zone)):
-            spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
-            state = _request_state(qr)
-            if spec and state is not SliceState.NOT_FOUND and qr.state.state != _QR.ACTIVE:
-                found[spec.node_id] = SliceStatus(spec.node_id, state, None, _request_labels(qr))
-        for node in self._call(self.tpu.list_nodes, parent=self._parent(zone)):
-            name = node.name.rsplit("/", 1)[-1]
-            found[name] = SliceStatus(
-                name, SliceState(protocol_state(node.state)), None, dict(node.labels)
-            )
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -300,18 +294,3 @@ class GcpSliceProvider(TpuZones):
             yield
         except gexc.Forbidden as e:  # PermissionDenied, or the API not enabled
             raise permission_error(what, self.settings, e) from None
-
-
-def _request_state(qr: tpu_v2.QueuedResource) -> SliceState:
-    """What a spot request without its node means for the slice: CREATING while it waits,
-    PREEMPTED once the service took its TPUs back (SUSPENDING, SUSPENDED: the watch then
-    re-creates the slice at once, not after the heartbeat timeout), NOT_FOUND once it
-    failed or is being deleted."""
-    state = qr.state.state
-    if state in _QR_RECLAIMED:
-        return SliceState.PREEMPTED
-    return SliceState.NOT_FOUND if state in (_QR.FAILED, _QR.DELETING) else SliceState.CREATING
-
-
-def _request_labels(qr: tpu_v2.QueuedResource) -> dict[str, str]:
-    return dict(qr.tpu.node_spec[0].node.labels) if qr.tpu.node_spec else {}

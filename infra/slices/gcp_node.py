@@ -15,7 +15,7 @@ from typing import Any
 
 from google.cloud import tpu_v2
 
-from infra.slices.base import SliceError, SliceSpec
+from infra.slices.base import SliceError, SliceSpec, SliceState
 
 # Metadata keys the start-up script and the launcher read.
 MD_WHEEL = "tpupipe-wheel"
@@ -70,6 +70,28 @@ def protocol_state(state: tpu_v2.Node.State) -> str:
     if state == tpu_v2.Node.State.READY:
         return "READY"
     return _DONE_STATES.get(state, "CREATING")
+
+
+_QR = tpu_v2.QueuedResourceState.State
+# A spot request whose TPUs were taken back (by the service: a spot reclaim) or are being:
+# its node is gone or going, and the slice must be re-created, as after a preemption.
+QR_RECLAIMED = (_QR.SUSPENDING, _QR.SUSPENDED)
+
+
+def request_state(qr: tpu_v2.QueuedResource) -> SliceState:
+    """What a spot request without its node means for the slice: CREATING while it waits,
+    PREEMPTED once the service took its TPUs back (SUSPENDING, SUSPENDED: the watch then
+    re-creates the slice at once, not after the heartbeat timeout), NOT_FOUND once it
+    failed or is being deleted."""
+    state = qr.state.state
+    if state in QR_RECLAIMED:
+        return SliceState.PREEMPTED
+    return SliceState.NOT_FOUND if state in (_QR.FAILED, _QR.DELETING) else SliceState.CREATING
+
+
+def request_labels(qr: tpu_v2.QueuedResource) -> dict[str, str]:
+    """The labels of the node a spot request makes (the slice's labels)."""
+    return dict(qr.tpu.node_spec[0].node.labels) if qr.tpu.node_spec else {}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,8 @@
 """The Cloud TPU provider's calls into one zone at a time (the base of `GcpSliceProvider`
 in infra/slices/gcp.py): creating a slice in a zone, on demand or as a spot request (a
-queued resource), and waiting until it is READY; finding and deleting a slice by name.
+queued resource), and waiting until it is READY; finding, listing and deleting a slice by
+name, each zone's copy on its own (runs of one name under two storage roots can hold the
+same node id in two zones at once).
 
 The provider on top implements the SliceProvider protocol across the configured zones:
 the zone order and fallback, the backoff between attempts, and the errors a user reads.
@@ -9,6 +11,7 @@ the zone order and fallback, the backoff between attempts, and the errors a user
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,9 +19,17 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from infra.slices.base import ProvisioningError, SliceError, SliceState, SliceStatus
+from infra.slices.base import LabelTest, ProvisioningError, SliceError, SliceState, SliceStatus
 from infra.slices.gcp_api import CREATE_RETRY, call, spot_request, wait_op
-from infra.slices.gcp_node import TpuSettings, protocol_state
+from infra.slices.gcp_node import (
+    QR_RECLAIMED,
+    TpuSettings,
+    protocol_state,
+    request_labels,
+    request_state,
+)
+
+log = logging.getLogger(__name__)
 
 LAUNCH_LABEL = "launch"
 _QR = tpu_v2.QueuedResourceState.State
@@ -103,7 +114,7 @@ class TpuZones:
             state = qr.state.state
             if state == _QR.ACTIVE:
                 return
-            if state in (_QR.FAILED, _QR.SUSPENDED, _QR.SUSPENDING):
+            if state in (_QR.FAILED, *QR_RECLAIMED):
                 error = qr.state.failed_data.error
                 self._delete_in(zone, name)
                 # A failed spot request means no capacity: let the zone loop go on.
@@ -197,14 +208,94 @@ class TpuZones:
         except gexc.NotFound:
             return None
 
-    def _delete_in(self, zone: str, name: str) -> bool:
-        """Cancel the queued request (force: with its node) and delete the node in `zone`."""
+    def _copy_in(self, zone: str, name: str) -> SliceStatus | None:
+        """Slice `name`'s copy in `zone` as `list` shows it: its node, else its spot request
+        while it waits (or was reclaimed); None if neither. No exit record is read."""
+        node = self._get_node(zone, name)
+        if node is not None:
+            state = SliceState(protocol_state(node.state))
+            return SliceStatus(name, state, None, dict(node.labels))
+        found = self._find_queued(name, zones=[zone])
+        if found is None or (state := request_state(found[1])) is SliceState.NOT_FOUND:
+            return None
+        return SliceStatus(name, state, None, request_labels(found[1]))
+
+    def _list_in(self, zone: str) -> list[SliceStatus]:
+        """Every slice in `zone`: one status per name, its node's, else its request's."""
+        found: dict[str, SliceStatus] = {}
+        # Requests too, whatever the configured capacity: a waiting spot request from an
+        # earlier config still holds a place in the queue and must be found to be cancelled.
+        for qr in self._call(self.tpu.list_queued_resources, parent=self._parent(zone)):
+            spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
+            state = request_state(qr)
+            if spec and state is not SliceState.NOT_FOUND and qr.state.state != _QR.ACTIVE:
+                found[spec.node_id] = SliceStatus(spec.node_id, state, None, request_labels(qr))
+        for node in self._call(self.tpu.list_nodes, parent=self._parent(zone)):
+            name = node.name.rsplit("/", 1)[-1]
+            state = SliceState(protocol_state(node.state))
+            found[name] = SliceStatus(name, state, None, dict(node.labels))
+        return list(found.values())
+
+    def _clear_for_create(self, name: str) -> None:
+        """Delete what of slice `name` would block its create, each in its own zone: a
+        PREEMPTED or TERMINATED node, a spot request that FAILED (expired) or was reclaimed.
+
+        Raises:
+            SliceError: a copy of the name is live (a READY or CREATING node, a waiting
+                request) in any zone, this slice's or another run's: deleting the name
+                everywhere took another run's live node in another zone with the dead one.
+        """
+        ended = []
+        for zone in list(self._zones_for(name)):
+            node = self._get_node(zone, name)
+            if node is not None:
+                state = protocol_state(node.state)
+                if state in ("READY", "CREATING"):
+                    raise SliceError(
+                        f"slice {name!r} already exists in {zone} ({state}); delete it first"
+                    )
+                ended.append((zone, f"{state} slice"))
+            elif (queued := self._find_queued(name, zones=[zone])) is not None:
+                state = queued[1].state.state
+                if request_state(queued[1]) is SliceState.CREATING:
+                    raise SliceError(
+                        f"slice {name!r} already exists in {zone} (spot request "
+                        f"{state.name}); delete it first"
+                    )
+                # An ended spot request holds no TPU but keeps its name taken: one that
+                # expired or was reclaimed while no orchestrator watched would refuse
+                # every re-create.
+                if state in (_QR.FAILED, *QR_RECLAIMED):
+                    ended.append((zone, f"{state.name} spot request"))
+        for zone, what in ended:
+            log.info("deleting %s %s in %s before re-creating it", what, name, zone)
+            self._delete_in(zone, name)
+
+    def _delete_in(self, zone: str, name: str, where: LabelTest | None = None) -> bool:
+        """Cancel the queued request (force: with its node) and delete the node in `zone`;
+        with `where`, each only if its labels, read just before, pass that test."""
         parent, deleted = self._parent(zone), False
         qr_name, node_name = f"{parent}/queuedResources/{name}", f"{parent}/nodes/{name}"
-        for method, kwargs in (
-            (self.tpu.delete_queued_resource, {"request": {"name": qr_name, "force": True}}),
-            (self.tpu.delete_node, {"name": node_name}),
+        take_request = take_node = True
+        if where is not None:
+            node = self._get_node(zone, name)
+            queued = self._find_queued(name, zones=[zone])
+            take_node = node is not None and where(dict(node.labels))
+            # An ACTIVE request and the node it made are one slice: taken together.
+            take_request = queued is not None and (
+                where(request_labels(queued[1]))
+                or (take_node and queued[1].state.state == _QR.ACTIVE)
+            )
+        for method, kwargs, take in (
+            (
+                self.tpu.delete_queued_resource,
+                {"request": {"name": qr_name, "force": True}},
+                take_request,
+            ),
+            (self.tpu.delete_node, {"name": node_name}, take_node),
         ):
+            if not take:
+                continue
             try:
                 op = self._call(method, **kwargs)
             except gexc.NotFound:

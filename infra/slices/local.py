@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.slices.base import (
+    LabelTest,
     ProvisioningError,
     SliceError,
     SliceSpec,
@@ -173,18 +174,25 @@ class LocalSliceProvider:
         state, code = self._state(record, proc)
         return SliceStatus(name, state, code, dict(record["labels"]))
 
-    def delete(self, name: str, grace_s: float = 5.0) -> bool:
+    def delete(self, name: str, grace_s: float = 5.0, *, where: LabelTest | None = None) -> bool:
         """SIGTERM the group, SIGKILL it after `grace_s`, then drop the record.
 
+        Args:
+            name: the slice.
+            grace_s: how long the workload may take to exit after SIGTERM.
+            where: delete the slice only if its labels pass this test (None: whatever
+                its labels).
+
         Returns:
-            True if a slice was deleted, False if there was none (never raises for that).
+            True if a slice was deleted, False if there was none or `where` refused it
+            (never raises for that).
 
         Raises:
             SliceError: processes of the group survived SIGKILL (the record is kept, so a
                 later delete or the reaper tries again).
         """
         record, proc = self._lookup(validate_name(name))
-        if record is None:
+        if record is None or (where is not None and not where(dict(record["labels"]))):
             return False
         self._kill_group(name, record, proc, grace_s)
         with self._registry_lock():
@@ -198,6 +206,11 @@ class LocalSliceProvider:
             if owned is not None and owned.proc.pid == record["pid"]:
                 del self._owned[name]
         return True
+
+    def copies(self, name: str) -> list[SliceStatus]:
+        """The slice's status in a list, or [] if there is none: one registry, one copy."""
+        status = self.status(name)
+        return [] if status.state is SliceState.NOT_FOUND else [status]
 
     def owner_gone(self, name: str) -> bool:
         """True if the process that created slice `name` no longer runs (it was killed
