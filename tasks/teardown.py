@@ -13,6 +13,7 @@ roots), and `list` shows each copy: every decision deletes only the copy it was 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -105,7 +106,8 @@ def orphan_reason(
         owner_gone: whether the creating process is gone; None if the provider cannot say.
     """
     ttl = labels.get("ttl")
-    if ttl and float(ttl) < now:
+    until = _epoch(ttl) if ttl else None
+    if until is not None and until < now:
         return f"ttl {ttl} has passed"
     if flow_run_state in TERMINAL:
         return f"its flow run is {flow_run_state}"
@@ -115,6 +117,18 @@ def orphan_reason(
     # Prefect API (a `tpupipe run` from a laptop or CI has its own temporary one). Reaping
     # those killed every such run's live slice; the ttl is their bound.
     return None
+
+
+def _epoch(ttl: str) -> float | None:
+    """A `ttl` label's epoch seconds; None for one that is no number (hand-set: "soon"),
+    which failed the reaper on that slice before its flow run's state was looked at, so a
+    FAILED run's slice labelled so was never reaped)."""
+    try:
+        value = float(ttl)
+    except ValueError:
+        log.warning("ttl label %r is not epoch seconds: ignored", ttl)
+        return None
+    return value if math.isfinite(value) else None
 
 
 def reap(

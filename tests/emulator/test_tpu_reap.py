@@ -123,3 +123,16 @@ def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
     # A zone of another project is named for the user (the warning), not looked in.
     other = [{"project": "other-project", "zones": ["us-west4-a"]}]
     assert rerun.recall("tpupipe-r1", other) == ["other-project/us-west4-a"]
+
+
+@pytest.mark.parametrize("ttl", ["soon", "nan"])
+def test_a_ttl_label_that_is_no_time_leaves_the_flow_run_to_decide(ttl, caplog):
+    # float("soon") failed the reaper on that slice before its flow run was looked at, so
+    # a FAILED run's slice labelled so was never reaped.
+    labels = {**LABELS, "ttl": ttl}
+    assert teardown.orphan_reason(labels, "FAILED", NOW, None) == "its flow run is FAILED"
+    assert teardown.orphan_reason(labels, "RUNNING", NOW, None) is None
+    assert f"ttl label {ttl!r} is not epoch seconds" in caplog.text or ttl == "nan"
+    assert teardown.orphan_reason({**LABELS, "ttl": "5"}, "RUNNING", NOW, None) == (
+        "ttl 5 has passed"
+    )
