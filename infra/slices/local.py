@@ -8,7 +8,6 @@ slice also keeps its `Popen`, which is the only way to learn the exit code.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -23,7 +22,6 @@ from typing import Any
 
 from infra.slices.base import (
     LabelTest,
-    ProvisioningError,
     SliceError,
     SliceSpec,
     SliceState,
@@ -35,21 +33,18 @@ from infra.slices.held_signals import signals_held
 from infra.slices.procs import (
     HostGroup,
     Owned,
-    free_port,
     group_alive,
-    host_log_path,
     is_our_group,
+    kill_started,
     live_members,
     signal_group,
+    start_hosts,
     start_ticks,
     wait_gone,
-    workload_env,
 )
 
 # After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
 _KILL_WAIT_S = 10.0
-# Why a host could not be started that may pass by the next try.
-_TRANSIENT_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
 class LocalSliceProvider:
@@ -101,11 +96,11 @@ class LocalSliceProvider:
             # every process started so far before it goes on.
             with signals_held():
                 try:
-                    proc = self._start_hosts(spec, started)
+                    proc = start_hosts(spec, started)
                     record = self._record(spec, proc, log_path)
                     self._write_record(record)
                 except BaseException:
-                    _kill_started(started)
+                    kill_started(started)
                     raise
                 with self._lock:
                     self._owned[spec.name] = Owned(proc, record)
@@ -133,38 +128,6 @@ class LocalSliceProvider:
             "owner_start_ticks": start_ticks(os.getpid()),
             "log_path": str(log_path),
         }
-
-    @staticmethod
-    def _start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
-        """One process per host, all in one new process group so a delete kills them all.
-
-        Each process is appended to `started` as soon as it runs, for the caller to kill
-        if the slice cannot be recorded.
-        """
-        coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
-        try:
-            for host in range(spec.hosts):
-                # Append: a re-provisioned attempt keeps the log of the one before it.
-                with open(host_log_path(spec.log_path, host), "ab") as log:
-                    started.append(
-                        subprocess.Popen(
-                            spec.command,
-                            # Host 0 leads a new process group and the others join it
-                            # (a group in another session could not be joined).
-                            process_group=started[0].pid if started else 0,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env=workload_env(spec, host, coordinator),
-                        )
-                    )
-        except OSError as e:
-            # Out of processes or memory may pass: retried like a create without capacity.
-            # A missing program or an unwritable log stays so: retrying it only made the
-            # run wait out resilience.max_failures backoffs before failing the same way.
-            kind = ProvisioningError if e.errno in _TRANSIENT_START_ERRORS else SliceError
-            raise kind(f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}") from e
-        return HostGroup(list(started))
 
     def status(self, name: str) -> SliceStatus:
         """READY while the group runs, TERMINATED after (exit code if we own it), else NOT_FOUND."""
@@ -318,12 +281,3 @@ class LocalSliceProvider:
             return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)
         alive = is_our_group(record) and group_alive(record["pgid"])
         return (SliceState.READY, None) if alive else (SliceState.TERMINATED, None)
-
-
-def _kill_started(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL the hosts of a slice that could not be recorded, and reap them."""
-    if procs:
-        signal_group(procs[0].pid, signal.SIGKILL)  # with anything they started
-    for p in procs:
-        p.kill()  # each by pid too: a host not yet in the group, or a group never made
-        p.wait()

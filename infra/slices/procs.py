@@ -8,6 +8,7 @@ waited for that would hang. Containers whose PID 1 never reaps orphans make this
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.slices.allocator import allocator_env
-from infra.slices.base import SliceSpec
+from infra.slices.base import ProvisioningError, SliceError, SliceSpec
 
 _POLL_S = 0.02
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -194,3 +195,48 @@ def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None)
     env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+# Why a host could not be started that may pass by the next try.
+_TRANSIENT_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
+
+
+def start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
+    """One process per host, all in one new process group so a delete kills them all.
+
+    Each process is appended to `started` as soon as it runs, for the caller to kill
+    if the slice cannot be recorded.
+    """
+    coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
+    try:
+        for host in range(spec.hosts):
+            # Append: a re-provisioned attempt keeps the log of the one before it.
+            with open(host_log_path(spec.log_path, host), "ab") as log:
+                started.append(
+                    subprocess.Popen(
+                        spec.command,
+                        # Host 0 leads a new process group and the others join it
+                        # (a group in another session could not be joined).
+                        process_group=started[0].pid if started else 0,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=workload_env(spec, host, coordinator),
+                    )
+                )
+    except OSError as e:
+        # Out of processes or memory may pass: retried like a create without capacity.
+        # A missing program or an unwritable log stays so: retrying it only made the
+        # run wait out resilience.max_failures backoffs before failing the same way.
+        kind = ProvisioningError if e.errno in _TRANSIENT_START_ERRORS else SliceError
+        raise kind(f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}") from e
+    return HostGroup(list(started))
+
+
+def kill_started(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the hosts of a slice that could not be recorded, and reap them."""
+    if procs:
+        signal_group(procs[0].pid, signal.SIGKILL)  # with anything they started
+    for p in procs:
+        p.kill()  # each by pid too: a host not yet in the group, or a group never made
+        p.wait()
