@@ -198,7 +198,7 @@ def saved_layout(dataset_dir: str | os.PathLike, global_batch: int, seed: int) -
     """The layout (`_LAYOUT_KEYS`) a train iterator of this run records in its states:
     what a saved state is checked against without building the iterator (the
     orchestrator's verification of the final checkpoint)."""
-    records = records_identity(load_manifest(dataset_dir))
+    records = records_identity(load_manifest(local_dataset(dataset_dir)))
     return {"global_batch": global_batch, "seed": seed, "records": records}
 
 

@@ -267,3 +267,21 @@ def test_a_source_in_a_missing_bucket_is_refused_naming_it(
     err = capsys.readouterr().err
     assert f"dataset source {source!r}: bucket nonexistent-source-xyz does not exist" in err
     assert sum(fake.creates.values()) == 0
+
+
+def test_the_final_checkpoints_data_check_reads_a_gs_dataset(
+    gcs_client, bucket, tmp_path, monkeypatch
+):
+    # It read the manifest as a local path: on every gs:// root the check was skipped,
+    # with a false warning, and a final checkpoint of other records landed completed.
+    from workloads import input
+    from workloads.manifest import records_identity
+
+    monkeypatch.setenv("TPUPIPE_DATASET_CACHE", str(tmp_path / "worker-cache"))
+    config, local, remote = published_tiny(gcs_client, bucket, tmp_path, "cache")
+    layout = input.saved_layout(remote, config.train.batch_size, config.seed)
+    assert layout["records"] == records_identity(data.load_manifest(local))
+    state = {"next_index": 12, **layout}
+    assert input.layout_problem(layout, state) is None
+    other = {**state, "records": "0123456789abcdef"}
+    assert "saved over a dataset of other records" in input.layout_problem(layout, other)
