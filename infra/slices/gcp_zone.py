@@ -53,12 +53,16 @@ class TpuZones:
         # (a rerun with another zone): looked in and cleared, never created in.
         self._recalled: dict[str, tuple[str, ...]] = {}
         self._unanswered: set[str] = set()  # creates interrupted before their answer
+        # The zone and launch id of each slice this provider created: its status reads that
+        # copy only (another storage root's run can hold the name in another zone).
+        self._launched: dict[str, tuple[str, str]] = {}
 
     # -- creation ----------------------------------------------------------------------
 
     def _create_in(self, zone: str, name: str, node: tpu_v2.Node, launch_id: str) -> SliceStatus:
         parent = self._parent(zone)
         self._zone_of[name] = zone
+        self._launched[name] = (zone, launch_id)
         try:
             if self.settings.capacity == "spot":
                 self._queue(parent, name, node)
@@ -181,6 +185,11 @@ class TpuZones:
         )
 
     def _find_node(self, name: str) -> tuple[str, tpu_v2.Node] | None:
+        if name in self._launched:  # ours: only the copy we created, never another's
+            zone, launch = self._launched[name]
+            node = self._get_node(zone, name)
+            mine = node is not None and node.labels.get(LAUNCH_LABEL) == launch
+            return (zone, node) if mine else None
         for zone in self._zones_for(name):
             node = self._get_node(zone, name)
             if node is not None:
@@ -191,6 +200,11 @@ class TpuZones:
     def _find_queued(
         self, name: str, zones: list[str] | None = None
     ) -> tuple[str, tpu_v2.QueuedResource] | None:
+        if name in self._launched and zones is None:  # ours: as in `_find_node`
+            zone, launch = self._launched[name]
+            found = self._find_queued(name, [zone])
+            mine = found is not None and request_labels(found[1]).get(LAUNCH_LABEL) == launch
+            return found if mine else None
         for zone in zones or self._zones_for(name):
             try:
                 qr = self._call(

@@ -116,3 +116,22 @@ def test_a_create_refuses_a_live_copy_in_another_zone_and_keeps_it(fake_tpu):
         provider.create(spec(NAME, DEAD))
     assert _left(fake) == {ZONES[0]: "f-dead", ZONES[1]: "f-live"}
     assert [s.labels["flow-run-id"] for s in provider.copies(NAME)] == ["f-dead", "f-live"]
+
+
+@pytest.mark.parametrize("capacity", ["on-demand", "spot"])
+def test_a_slices_status_reads_its_own_copy_not_another_roots_elsewhere(fake_tpu, capacity):
+    # Our spot capacity taken back (node gone, request SUSPENDED), or our node gone: the
+    # status read the other root's READY node of the name in the other zone, so the
+    # watch missed the reclaim and judged our attempt by the other run's workload.
+    fake, host = fake_tpu
+    ours = make_provider(host, zones=ZONES, capacity=capacity)
+    ours.create(spec(NAME, DEAD))  # in the first zone
+    _create_in(host, ZONES[1], LIVE, capacity=capacity)
+    assert ours.status(NAME).labels["flow-run-id"] == "f-dead"
+    if capacity == "spot":
+        fake.reclaim(ZONES[0], NAME)
+        assert ours.status(NAME).state.value == "PREEMPTED"
+    else:
+        del fake.nodes[(ZONES[0], NAME)]
+        assert ours.status(NAME).state.value == "NOT_FOUND"
+    assert _left(fake) == {ZONES[1]: "f-live"}
