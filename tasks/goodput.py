@@ -137,7 +137,9 @@ _FIELDS = {
     "resumed_from": _count,
     "seconds": _number,
     "invocation": lambda value: isinstance(value, str),
+    "outcome": lambda value: isinstance(value, str),
 }
+MAX_ATTEMPT = 2**31  # attempts are numbered from 1, one more each: a larger one is no count
 
 
 def _as_event(event: object) -> dict | None:
@@ -148,7 +150,7 @@ def _as_event(event: object) -> dict | None:
     when, attempt = event.get("time"), event.get("attempt", 0)
     if not _number(when) or when >= MAX_TIME:
         return None
-    if not isinstance(attempt, int) or isinstance(attempt, bool):
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt < MAX_ATTEMPT:
         return None
     bad = {k for k, ok in _FIELDS.items() if event.get(k) is not None and not ok(event[k])}
     if not readable_pricing(event):

@@ -101,8 +101,15 @@ def test_fields_of_another_type_and_times_no_clock_gives_are_left_out(tmp_path, 
     with (run_dir / "events.jsonl").open("a") as f:  # an idle time of 1e300 s
         f.write(json.dumps({"time": 1e300, "event": "note", "attempt": 3}) + "\n")
         f.write(json.dumps({"time": -5.0, "event": "note", "attempt": 3}) + "\n")
+        for attempt in (10**30, -1):  # an attempt of its own, with a wall time to match
+            f.write(json.dumps({"time": 200.0, "event": "note", "attempt": attempt}) + "\n")
     code, out, err = _report(tmp_path, capsys)
     assert (code, out) == (0, clean), err
+
+    # An outcome of another type: a TypeError in the report's table; read as none recorded.
+    _rewrite_events(run_dir, lambda e: {**e, "outcome": 7} if "outcome" in e else e)
+    code, out, err = _report(tmp_path, capsys)
+    assert code == 0 and "running?" in out, err
 
     # A TypeError in the restore bucket: read as an attempt that did not time its restore.
     _rewrite_events(run_dir, lambda e: {**e, "seconds": "3"} if "seconds" in e else e)
@@ -119,6 +126,8 @@ def test_fields_of_another_type_and_times_no_clock_gives_are_left_out(tmp_path, 
         '{"step": -1, "loss": 1.0}',
         '{"step": 12, "loss": 1.0, "time": 1e300}',
         '{"step": 12, "loss": 1.0, "time": "noon"}',
+        '{"step": 12, "loss": 1' + "0" * 400 + "}",
+        '{"step": 12, "loss": 1.0, "grad_norm": -1' + "0" * 400 + "}",
     ],
 )
 def test_a_metrics_row_the_workload_never_writes_is_skipped(tmp_path, capsys, line):

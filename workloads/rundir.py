@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -231,7 +232,10 @@ def _is_row(row: dict[str, Any]) -> bool:
         return False
     for key in _NUMERIC:
         value = row.get(key)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        if value is None or isinstance(value, float):
+            continue
+        # An int past what a float holds (valid JSON) failed landing's float conversion.
+        if not _is_int(value) or abs(value) > sys.float_info.max:
             return False
     if when is None:
         return True

@@ -234,6 +234,8 @@ def _gone_from_this_host(holder: dict) -> bool:
     pid, mine = holder.get("pid"), this_machine()
     if mine is None or holder.get("machine") != mine or not isinstance(pid, int):
         return False
+    if not 0 < pid < 2**22:  # no pid (Linux's pid_max): not a record a holder wrote
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -111,6 +111,10 @@ def test_a_live_holder_on_another_machine_of_this_hostname_is_not_taken_over(gcs
         blob.upload_from_string(json.dumps(elsewhere))
         with pytest.raises(LeaseHeld, match=f"pid {gone} on {socket.gethostname()}"):
             GcsLease(gcs_client, uri, owner("here", 33)).acquire()
+    # A pid no process can have: an OverflowError out of os.kill, a traceback.
+    blob.upload_from_string(json.dumps({**record, "pid": 2**70}))
+    with pytest.raises(LeaseHeld, match=f"pid {2**70} on"):
+        GcsLease(gcs_client, uri, owner("here", 33)).acquire()
     # Its pid reused by another process here: the holder is gone all the same.
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
