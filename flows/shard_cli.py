@@ -151,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
             flag = _FLAGS.get(str(err["loc"][0]), "--source") if err["loc"] else "options"
             print(f"  {flag}: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
+    from workloads.config_infra import gs_place_problem
     from workloads.listing import check_out_root
     from workloads.sources import DatasetError
 
@@ -158,6 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     try:  # an option conflict (exit 2), not bad input: checked before any source is read
         if "://" in args.out and not remote:
             raise DatasetError(f"{args.out!r}: a datasets directory is local or gs://")
+        if (problem := gs_place_problem(args.out)) is not None:
+            raise DatasetError(f"{args.out!r}: {problem}")
         if not remote:
             check_out_root(cfg.sources, args.out)
     except DatasetError as exc:

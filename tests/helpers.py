@@ -32,7 +32,7 @@ GCP_OVERRIDES = (
     "mesh.data=-1",
     "mesh.fsdp=1",
     "mesh.tensor=1",
-    "storage.root=gs://b/root",
+    "storage.root=gs://bkt/root",
     "storage.project=test-project",
 )
 

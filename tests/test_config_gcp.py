@@ -81,7 +81,7 @@ def test_a_bad_zone_names_its_field_and_its_own_line(tmp_path):
     path.write_text(
         "run_name: z\n"
         "mesh: {data: -1, fsdp: 1, tensor: 1}\n"
-        "storage: {root: gs://b/root}\n"
+        "storage: {root: gs://bkt/root}\n"
         "slice:\n"
         "  provider: gcp\n"
         "  zone: us-west4-a\n"
@@ -136,7 +136,7 @@ def test_a_credentials_block_that_cannot_load_is_refused_naming_its_field(
     # CredentialsError; prefect-gcp is not installed here, so the block cannot load.
     from tasks.access import check_backend_access
 
-    root = "gs://b/root" if section == "storage" else str(tmp_path)
+    root = "gs://bkt/root" if section == "storage" else str(tmp_path)
     config = tiny_config(
         tmp_path,
         f"storage.root={root}",

@@ -48,7 +48,7 @@ def gcp(capacity: str = "on-demand", zone: str = "us-east5-a", tpu: str = "v5p-8
                 "capacity": capacity,
             },
             "train": {"batch_size": 16},
-            "storage": {"root": "gs://b/p"},
+            "storage": {"root": "gs://bkt/p"},
             "cost": cost,
         }
     )

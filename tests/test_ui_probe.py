@@ -38,6 +38,9 @@ def test_long_run_names_never_share_a_slice_name(tmp_path):
         ("~/tpupipe", "~"),
         ("''", "empty"),
         ("'  '", "empty"),
+        ("gs:/bucket/x", "local directory named 'gs:'"),  # one slash missing
+        ("gs://Bad_Bucket!/x", "is not a bucket name"),  # a traceback from the client
+        ("gs://bucket//x", "an empty, '.' or '..' part"),  # objects named "/x/..."
     ],
 )
 def test_a_storage_root_that_would_become_an_odd_local_directory_is_refused(tmp_path, root, said):

@@ -6,6 +6,7 @@ Part of `PipelineConfig` (workloads/config.py); split out to keep each file read
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -53,6 +54,8 @@ class StorageConfig(_Strict):
             raise ValueError("storage.root is empty: give a directory or gs://bucket/prefix")
         if value.startswith("gs://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"storage.root {value!r} names no bucket")
+        if (problem := gs_place_problem(value)) is not None:
+            raise ValueError(f"storage.root {value!r}: {problem}")
         scheme = value.split("://", 1)[0] if "://" in value else None
         if scheme is not None and scheme != "gs":
             raise ValueError(
@@ -65,6 +68,33 @@ class StorageConfig(_Strict):
                 "the directory's absolute path (or one relative to the working directory)"
             )
         return value
+
+
+# Cloud Storage's bucket names: lowercase letters, digits, "-", "_" and ".", 3-222 long.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+
+
+def gs_place_problem(value: str) -> str | None:
+    """What is wrong with `value` as a `gs://bucket/prefix` place, or None (also for a
+    local path). Each became something else: `gs:/b/x` (one slash) the local directory
+    ./gs:/b/x, a bucket name Cloud Storage refuses a traceback, and `gs://b//x` or
+    `gs://b/a/../x` objects literally named so."""
+    if value.lower().startswith("gs:") and not value.startswith("gs://"):
+        return "not a gs://bucket/prefix URI (as written, a local directory named 'gs:')"
+    if not value.startswith("gs://"):
+        return None
+    bucket, _, prefix = value[5:].partition("/")
+    if not bucket:
+        return "it names no bucket (gs://bucket/prefix)"
+    if not _BUCKET.fullmatch(bucket):
+        return (
+            f"{bucket!r} is not a bucket name (3-222 lowercase letters, digits, '-', '_' or "
+            "'.', starting and ending with a letter or digit)"
+        )
+    parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
+    if any(part in ("", ".", "..") for part in parts):
+        return "its path has an empty, '.' or '..' part, which Cloud Storage keeps as a name"
+    return None
 
 
 class MetricsConfig(_Strict):

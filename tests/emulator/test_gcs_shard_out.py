@@ -59,3 +59,23 @@ def test_an_out_of_another_scheme_is_an_invalid_option(corpus, capsys):
     assert "--out: 's3://bucket/datasets': a datasets directory is local or gs://" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        ("gs:/bucket/datasets", "not a gs://bucket/prefix URI"),
+        ("gs://", "names no bucket"),
+        ("gs:///datasets", "names no bucket"),
+        ("gs://Bad_Bucket!/x", "'Bad_Bucket!' is not a bucket name"),
+        ("gs://bucket//x", "an empty, '.' or '..' part"),
+        ("gs://bucket/a/../x", "an empty, '.' or '..' part"),
+    ],
+)
+def test_a_malformed_gs_out_is_an_invalid_option(corpus, capsys, out, says):
+    # Tracebacks (exit 1), objects named "/x" or "a/../x", or, for "gs:/", the local
+    # directory ./gs:/bucket/datasets and exit 0.
+    code = cli_main(shard(corpus, out))
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert not (corpus.parent / "gs:").exists() and not (corpus.parent / "cache").exists()
