@@ -18,8 +18,9 @@ The workload's exit code does not exist in the TPU API (a node stays READY after
 program ends), so each worker's launcher leaves an exit record in GCS beside the slice log,
 and `status` reports TERMINATED with that code once every worker has one.
 
-This file is the protocol across zones. Its base `TpuZones` (gcp_zone.py) makes the calls
-into one zone; gcp_api.py holds the retry policies and errors, gcp_node.py the Node.
+This file is the protocol across zones. Its base `TpuZones` (gcp_zone.py; its lookups and
+deletes in gcp_lookup.py) makes the calls into one zone; gcp_api.py holds the retry
+policies and errors, gcp_node.py the Node.
 """
 
 from __future__ import annotations
