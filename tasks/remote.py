@@ -137,10 +137,12 @@ def publish_dataset(
         bad = damaged_shards(manifest, {n: o.size for n, o in listing.items()}) if manifest else []
     except (ValueError, KeyError, TypeError):
         manifest = None
-    if not manifest:  # none, or one no reader accepts: publish anew
-        gcs.upload_tree(client, local_dir, remote, last=(data.MANIFEST,))
-        return remote
     local = data.load_manifest(local_dir)
+    if not manifest:  # none, or one no reader accepts: publish anew
+        # The dataset's files alone, manifest last: not the local lock and statistics
+        # beside them (`.lock`, `.shard-stats.json`), which nothing remote reads.
+        gcs.upload_files(client, local_dir, remote, [*_shard_names(local), data.MANIFEST])
+        return remote
     copies = [n for n in _shard_names(manifest) if _local_copy(local_dir, local, manifest, n)]
     crc32cs = _local_crc32cs(local_dir, [n for n in copies if n not in bad])
     # Cloud Storage lists a crc32c for every object; one without keeps the size check alone.

@@ -37,7 +37,8 @@ def test_a_gs_out_publishes_the_dataset_to_the_bucket(corpus, gcs_client, bucket
     local = corpus.parent / "cache" / printed.rsplit("/", 1)[1]
     names = sorted(b.name for b in gcs_client.list_blobs(bucket, prefix="datasets/"))
     prefix = f"datasets/{local.name}/"
-    assert names == sorted(prefix + p.name for p in local.iterdir() if p.is_file())
+    visible = (p.name for p in local.iterdir() if p.is_file() and not p.name.startswith("."))
+    assert names == sorted(prefix + name for name in visible)
     manifest = gcs_client.bucket(bucket).blob(prefix + data.MANIFEST).download_as_bytes()
     assert json.loads(manifest) == data.load_manifest(local)
     assert not (corpus.parent / "gs:").exists()
@@ -79,3 +80,13 @@ def test_a_malformed_gs_out_is_an_invalid_option(corpus, capsys, out, says):
     err = capsys.readouterr().err
     assert code == 2 and says in err and "Traceback" not in err, err
     assert not (corpus.parent / "gs:").exists() and not (corpus.parent / "cache").exists()
+
+
+def test_only_the_datasets_own_files_are_published(corpus, gcs_client, bucket, capsys):
+    # The local lock and sharding statistics beside the shards were uploaded with them.
+    assert cli_main(shard(corpus, f"gs://{bucket}/ds")) == 0
+    published = capsys.readouterr().out.strip().removeprefix(f"gs://{bucket}/")
+    manifest = data.load_manifest(corpus.parent / "cache" / published.rsplit("/", 1)[1])
+    shards = [s["name"] for split in ("train", "eval") for s in manifest["splits"][split]["shards"]]
+    names = sorted(b.name.removeprefix(f"{published}/") for b in gcs_client.list_blobs(bucket))
+    assert names == sorted([*shards, data.MANIFEST])
