@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -68,13 +69,54 @@ def exit_on_signals() -> Callable[[], None]:
     if before[signal.SIGHUP] is not signal.SIG_IGN:
         terminals = [fd for fd in (1, 2) if os.isatty(fd)]
         signal.signal(signal.SIGHUP, functools.partial(_hang_up, terminals))
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_signal_not_lost, hook)
 
     def restore() -> None:
         for sig, handler in before.items():
             if handler is not None:  # None: set outside Python, which cannot set it back
                 signal.signal(sig, handler)
+        sys.unraisablehook = hook
 
     return restore
+
+
+RESEND_S = 0.05  # a collection's callbacks take microseconds; this hook returns at once
+
+
+def _signal_not_lost(hook: Callable[[Any], None], unraisable: Any) -> None:
+    """`sys.unraisablehook`: a signal's exception that Python could not raise is sent
+    again, and so raised once Python can.
+
+    A handler's exception (ours, SystemExit; Prefect's bridge, TerminationSignal; Ctrl-C's
+    KeyboardInterrupt) raised while a garbage-collection callback runs (JAX installs one
+    in every process that imports it) is printed as "Exception ignored" and dropped: the
+    run carried on, landed `completed` and exited 0 after a SIGTERM or SIGHUP. Sent again,
+    the signal reaches its handler (the one in place by then) outside the collector.
+    """
+    signum = _signal_of(unraisable.exc_value)
+    if signum is None:
+        hook(unraisable)
+        return
+    # From another thread, to the main one, once this hook and the collector are done:
+    # handled in here, its exception would be dropped again (an unraisable hook's own).
+    # One that meets the collector again comes back here and is sent again.
+    main = threading.main_thread().ident
+    resend = threading.Timer(RESEND_S, signal.pthread_kill, (main, signum))
+    resend.daemon = True
+    resend.start()
+
+
+def _signal_of(exc: BaseException | None) -> int | None:
+    """The signal a handler's exception stands for, or None."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, SystemExit) and exc.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        return int(exc.code) - 128
+    received = getattr(exc, "signal", None)  # prefect's TerminationSignal
+    if type(exc).__name__ == "TerminationSignal" and isinstance(received, int):
+        return received
+    return None
 
 
 def _exit_with_signal(signum: int, frame: object) -> None:

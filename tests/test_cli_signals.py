@@ -210,3 +210,60 @@ def test_ctrl_c_while_prefect_is_imported_waits_for_the_import(tmp_path):
         "sharding stopped by Ctrl-C; run it again to go on (finished work is reused)"
     ]
     assert out.returncode == -signal.SIGINT
+
+
+# A signal whose handler's exception meets a garbage-collection callback (JAX installs
+# one in every process that imports it): CPython printed "Exception ignored" and dropped
+# it, so a `tpupipe run` SIGTERMed then landed `completed` and exited 0.
+SIGNAL_DURING_GC = """
+import gc, os, signal, sys, time
+
+import jax  # noqa: F401  (its gc callback, as every tpupipe run process has)
+
+from flows.local_run import exit_on_signals
+
+exit_on_signals()
+if sys.argv[2] == "prefect":  # Prefect's bridge, as during a flow run
+    from prefect.exceptions import TerminationSignal
+    from prefect.utilities.engine import _prefect_sigterm_handler
+
+    signal.signal(signal.SIGTERM, _prefect_sigterm_handler)
+
+
+def deliver_during_gc(phase, info):
+    if phase == "start":
+        os.kill(os.getpid(), int(sys.argv[1]))
+
+
+gc.callbacks.insert(0, deliver_during_gc)
+try:
+    gc.collect()
+    gc.callbacks.remove(deliver_during_gc)
+    time.sleep(20)
+    print("the signal was lost")
+except BaseException as exc:
+    print(f"raised {type(exc).__name__}")
+    raise
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "handler", "status", "raised"),
+    [
+        (signal.SIGTERM, "ours", 143, "SystemExit"),
+        (signal.SIGHUP, "ours", 129, "SystemExit"),
+        (signal.SIGINT, "ours", -signal.SIGINT, "KeyboardInterrupt"),
+        (signal.SIGTERM, "prefect", 1, "TerminationSignal"),
+    ],
+)
+def test_a_signal_that_meets_a_gc_callback_is_not_lost(signum, handler, status, raised):
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_DURING_GC, str(int(signum)), handler],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == status, done.stderr[-2000:]
+    assert done.stdout.strip() == f"raised {raised}"
