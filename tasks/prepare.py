@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -232,6 +233,11 @@ def _cannot_create(path: str) -> str | None:
         return f"{existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
+        with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
+            pass
+    except OSError as exc:
+        return f"nothing can be written in {existing}: {exc.strerror or exc}"
     return None
 
 

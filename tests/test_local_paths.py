@@ -89,6 +89,17 @@ def test_validate_exits_2_for_a_dangling_storage_root(tmp_path, capsys, monkeypa
     assert "storage.root = 'dangling'" in err and "symlink to /nonexistent/bigdisk" in err
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("storage.root", "/proc/tpupipe"), ("metrics.path", "/proc/m.duckdb")]
+)
+def test_a_place_that_passes_os_access_but_takes_no_file_is_refused(capsys, field, value):
+    # As root, os.access said /proc was writable: validation passed, and the run failed
+    # at its lock (storage.root) or after the whole training run (metrics.path).
+    assert cli_main(["validate", "--config", TINY, "--set", f"{field}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{field} = {value!r}" in err and "nothing can be written in /proc" in err
+
+
 def test_a_metrics_database_and_usable_symlinks_pass(tmp_path):
     """The checks refuse only what would fail: a real database (read by its header, not
     opened, so a run holding it open does not matter) and links to existing places."""
