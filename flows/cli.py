@@ -9,12 +9,13 @@ tpupipe report demo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from flows import report_cli, shard_cli
 from flows.cli_options import add_overrides
-from flows.local_run import exit_on_signals, orchestrate_here
+from flows.local_run import exit_on_signals, orchestrate_here, quiet_interrupt
 from workloads.config_file import ConfigError, load_config
 
 
@@ -70,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with orchestrate_here():
             run = tpu_training_pipeline(config=config)
+    except KeyboardInterrupt:
+        # Torn down and landed `failed` on the way out; the process still ends killed by
+        # SIGINT (130 in a shell), so a script running it stops too.
+        with contextlib.suppress(OSError):  # stderr went with the terminal
+            print(
+                f"run {config.run_name} stopped by Ctrl-C; run it again to resume it",
+                file=sys.stderr,
+            )
+        sys.excepthook = quiet_interrupt  # not the ~45 lines of where the interrupt landed
+        raise
     except DatasetWriteError as exc:  # the machine's trouble (a full disk), not the input's
         print(f"pipeline failed: {exc}", file=sys.stderr)
         return 1

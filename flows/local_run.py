@@ -141,3 +141,11 @@ def _hang_up(terminals: list[int], signum: int, frame: object) -> None:
         os.close(null)
     handler = signal.getsignal(signal.SIGTERM)
     (handler if callable(handler) else _exit_with_signal)(signum, frame)
+
+
+def quiet_interrupt(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """`sys.excepthook` once a command said in one line that Ctrl-C stopped it: nothing
+    more for it (the traceback of wherever the interrupt landed), the default for any
+    other exception."""
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)

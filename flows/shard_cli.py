@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flows.local_run import quiet_interrupt
 from workloads.config import DatasetConfig
 
 # Command-line flag -> DatasetConfig field, for the options given on the command line.
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except KeyboardInterrupt:
         _say_stopped("Ctrl-C")
-        sys.excepthook = _quiet_interrupt  # the line above says it all
+        sys.excepthook = quiet_interrupt  # the line above says it all
         raise
     except SystemExit as exc:
         if exc.code in _SIGNAL_EXITS:
@@ -112,13 +113,6 @@ def _say_stopped(what: str) -> None:
     message = f"sharding stopped by {what}; run it again to go on (finished work is reused)"
     with contextlib.suppress(OSError):  # stderr went with the terminal or the pipe reading it
         print(message, file=sys.stderr)
-
-
-def _quiet_interrupt(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    """`sys.excepthook` once Ctrl-C is reported: nothing more for it, the default for any
-    other exception."""
-    if not issubclass(kind, KeyboardInterrupt):
-        sys.__excepthook__(kind, value, tb)
 
 
 @contextlib.contextmanager

@@ -153,7 +153,7 @@ def _orchestrator(tmp_path: Path, name: str, steps: int = 100_000) -> subprocess
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=(tmp_path / f"{name}.stderr").open("wb"),
         start_new_session=True,
     )
     status = tmp_path / "runs" / name / "status.json"
@@ -268,6 +268,9 @@ def test_a_signal_ends_the_run_its_slice_and_its_api_server(tmp_path, prefect_ha
         ((status, error),) = sink.query(f"SELECT status, error FROM runs WHERE run_id = '{name}'")
         said = "KeyboardInterrupt" if sig == signal.SIGINT else sig.name
         assert status == "failed" and said in error, error
+        if sig == signal.SIGINT:  # one line, not the traceback of where it landed
+            told = (tmp_path / f"{name}.stderr").read_text().rstrip().splitlines()
+            assert told[-1] == f"run {name} stopped by Ctrl-C; run it again to resume it"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orchestrator.pid, signal.SIGKILL)
