@@ -116,6 +116,38 @@ def test_a_split_whose_documents_are_all_empty_is_refused_before_training(tmp_pa
         data.shard_dataset(cfg(path, format="jsonl", eval_fraction=0.1), tmp_path / "out")
 
 
+def test_an_empty_last_document_the_eval_split_would_get_by_default_is_named(tmp_path):
+    # No key hashes into eval, so the last train document moves there: here an empty
+    # one, and the run said "the eval split's 1 document(s) are all empty", though the
+    # user put nothing empty in eval.
+    n = next(
+        n
+        for n in range(20, 200)
+        if not any(packing.in_eval(f"d.jsonl#{i}", 0.01) for i in range(n + 1))
+    )
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [*[{"text": f"document {i} " * 4} for i in range(n)], {"text": ""}]
+    )
+    with pytest.raises(
+        DatasetError,
+        match=r"no document goes to eval by its key's hash at eval_fraction=0.01, and the last "
+        r"train document, which then moves there, is empty",
+    ):
+        data.shard_dataset(
+            cfg(path, format="jsonl", eval_fraction=0.01, num_shards=1), tmp_path / "out"
+        )
+    # The same documents with the empty one elsewhere: the moved document has text.
+    path.write_text(
+        path.read_text().splitlines()[-1]
+        + "\n"
+        + "\n".join(path.read_text().splitlines()[:-1])
+        + "\n"
+    )
+    data.shard_dataset(
+        cfg(path, format="jsonl", eval_fraction=0.01, num_shards=1), tmp_path / "out"
+    )
+
+
 def test_jsonl_with_old_mac_line_endings_says_why_it_is_one_line(tmp_path):
     path = tmp_path / "cr.jsonl"
     path.write_bytes(b'{"text": "first"}\r{"text": "second"}\r')

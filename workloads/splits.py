@@ -82,6 +82,15 @@ def plan_splits(
         )
     for empty, other in (("eval", "train"), ("train", "eval")):
         if not splits[empty]["documents"]:
+            if not splits[other]["last"]["last_bytes"]:
+                # The user put nothing empty in this split: the move did, and the check
+                # below said "the eval split's 1 document(s) are all empty".
+                raise DatasetError(
+                    f"no document goes to {empty} by its key's hash at eval_fraction="
+                    f"{cfg.eval_fraction}, and the last {other} document, which then moves "
+                    f"there, is empty: raise eval_fraction, or remove the empty document(s) "
+                    "at the end of the sources"
+                )
             move_last_document(splits[other], splits[empty])
     for split in SPLITS:
         s = splits[split]
