@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -97,9 +98,10 @@ class GcsLease:
 
     @staticmethod
     def record(owner: dict) -> dict:
-        """What the lock object records of holder `owner`: for one with a pid, also its
-        machine (`this_machine`) and its process's start, which tell it gone at once."""
-        if not isinstance(owner.get("pid"), int):
+        """What the lock object records of holder `owner`: for one on this host (by name)
+        with a pid, also its machine (`this_machine`) and its process's start, which tell
+        it gone at once."""
+        if not isinstance(owner.get("pid"), int) or owner.get("host") != socket.gethostname():
             return dict(owner)
         return {**owner, "machine": this_machine(), "started": start_ticks(owner["pid"])}
 
