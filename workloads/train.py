@@ -192,7 +192,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                     report.metrics(exc.rows)  # the window's steps up to the bad one
                     raise
                 if step == start + 1:
-                    # On the step's output layouts, which may differ from the initial ones.
+                    # On the step's output layouts (the initial ones: `make_train_step` keeps them).
                     checkpoint.prepare_saves(arrays)
                     report.event("first_step", step=step, resumed_from=start)
                     rows[0].update(

@@ -122,10 +122,17 @@ def make_train_step(graphdef: Any, mesh) -> Callable:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens}
         return {"model": nnx.state(model), "opt": nnx.state(opt)}, metrics
 
-    jitted = jax.jit(step, donate_argnums=(0,))
+    jitted: dict[str, Callable] = {}
 
     def run(arrays: dict, batch: dict) -> tuple[dict, dict]:
+        if not jitted:
+            # The state leaves in the shardings it came in. Left to XLA, step 1's output
+            # layouts differed from the initial state's, and step 2 compiled the step
+            # again (6.5 s of the tiny model's 7, minutes on a real model), counted in
+            # the step time, tokens/s and MFU of the first logged steps.
+            shardings = jax.tree.map(lambda x: x.sharding, arrays)
+            jitted["step"] = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
         with jax.set_mesh(mesh):
-            return jitted(arrays, batch)
+            return jitted["step"](arrays, batch)
 
     return run
