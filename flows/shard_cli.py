@@ -180,11 +180,12 @@ def _run(args: argparse.Namespace) -> int:
     with _signals_deferred():
         from infra.gcp.clients import CredentialsError
         from tasks.prepare import shard_corpus
+        from tasks.remote import out_bucket, publish_shards
 
     out_root, bucket = args.out, None
     if remote:  # sharded in the local cache, as a run does, then published, manifest last
         try:
-            bucket = _bucket(args.out)
+            bucket = out_bucket(args.out)
         except (CredentialsError, DatasetError) as exc:
             print(f"sharding failed: {_without_block_hint(exc)}", file=sys.stderr)
             return 1
@@ -211,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             result = shard_corpus(cfg, out_root, progress=progress)
             if bucket is not None:
-                result = _published(result, args.out, bucket)
+                result = publish_shards(result, args.out, bucket)
         except (DatasetError, WorkerDied) as exc:
             view.stop()
             print(f"sharding failed: {exc}", file=sys.stderr)
@@ -230,49 +231,6 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(result.dataset_dir)
     return 0
-
-
-def _published(result: Any, out: str, client: Any) -> Any:
-    """`result` once its dataset is whole under `out` (gs://): uploaded, manifest last,
-    or checked and repaired where one is there already (`tasks.remote.publish_dataset`).
-
-    Raises:
-        DatasetError: naming the dataset, when Cloud Storage refused or failed the upload.
-    """
-    from google.api_core import exceptions as gexc
-
-    from tasks.remote import publish_dataset
-    from workloads.sources import DatasetError
-
-    try:
-        published = publish_dataset(result.dataset_dir, out, None, client)
-    except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
-        raise DatasetError(f"cannot publish {result.dataset_dir} to {out}: {exc}") from None
-    return type(result)(published, result.manifest, result.cached)
-
-
-def _bucket(out: str) -> Any:
-    """A Cloud Storage client for `--out gs://bucket/...`, once the bucket is known to
-    exist (before anything is read or sharded).
-
-    Raises:
-        CredentialsError: no usable credentials.
-        DatasetError: naming the bucket, when it does not exist or cannot be listed.
-    """
-    from google.api_core import exceptions as gexc
-
-    from infra.gcp import clients, gcs
-    from workloads.sources import DatasetError
-
-    client = clients.storage_client()
-    name, _ = gcs.split_uri(out)
-    try:
-        found = gcs.bucket_exists(client, name)
-    except gexc.GoogleAPICallError as exc:
-        raise DatasetError(f"--out {out}: cannot look up bucket gs://{name}: {exc}") from None
-    if not found:
-        raise DatasetError(f"--out {out}: bucket gs://{name} does not exist")
-    return client
 
 
 def _without_block_hint(exc: BaseException) -> str:

@@ -252,3 +252,43 @@ def _write_atomically(path: str, text: str) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+
+def publish_shards(result: Any, out: str, client: Any) -> Any:
+    """`tpupipe shard --out gs://...`: the `ShardResult` once its dataset is whole under
+    `out`: uploaded, manifest last, or checked and repaired where one is there already
+    (`publish_dataset`).
+
+    Raises:
+        DatasetError: naming the dataset, when Cloud Storage refused or failed the upload.
+    """
+    from google.api_core import exceptions as gexc
+
+    try:
+        published = publish_dataset(result.dataset_dir, out, None, client)
+    except (gexc.GoogleAPICallError, gexc.RetryError) as exc:
+        raise DatasetError(f"cannot publish {result.dataset_dir} to {out}: {exc}") from None
+    return type(result)(published, result.manifest, result.cached)
+
+
+def out_bucket(out: str) -> Any:
+    """A Cloud Storage client for `--out gs://bucket/...`, once the bucket is known to
+    exist (before anything is read or sharded).
+
+    Raises:
+        CredentialsError: no usable credentials.
+        DatasetError: naming the bucket, when it does not exist or cannot be listed.
+    """
+    from google.api_core import exceptions as gexc
+
+    from infra.gcp import clients, gcs
+
+    client = clients.storage_client()
+    name, _ = gcs.split_uri(out)
+    try:
+        found = gcs.bucket_exists(client, name)
+    except gexc.GoogleAPICallError as exc:
+        raise DatasetError(f"--out {out}: cannot look up bucket gs://{name}: {exc}") from None
+    if not found:
+        raise DatasetError(f"--out {out}: bucket gs://{name} does not exist")
+    return client
