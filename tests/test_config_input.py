@@ -51,6 +51,8 @@ def test_a_config_that_is_not_utf8_names_the_byte(tmp_path):
         ("train.learning_rate=.nan", r"train\.learning_rate: .*finite"),
         ("train.learning_rate=1e39", r"1e\+39 is inf in float32"),
         ("train.weight_decay=1e300", r"train\.weight_decay: 1e\+300 is inf in float32"),
+        ("train.grad_clip_norm=1e300", r"train\.grad_clip_norm: 1e\+300 is inf in float32"),
+        ("train.grad_clip_norm=0", r"train\.grad_clip_norm: .*greater than 0"),
     ],
 )
 def test_values_the_device_cannot_hold_are_refused(tmp_path, setting, message):

@@ -181,3 +181,20 @@ def test_the_host_runs_at_most_two_steps_ahead_of_the_devices():
     for step, loss in enumerate(losses, start=1):
         window.add(step, {"loss": loss})
         assert [x.waited for x in losses[:step]] == [i < step - 2 for i in range(step)]
+
+
+@pytest.mark.parametrize("clip", [0.25, None])
+def test_gradients_are_clipped_to_the_configured_global_norm(clip):
+    # Adam's first moment after one update is (1 - b1) times the gradient it was given:
+    # its global norm shows the gradient after clipping.
+    import optax
+
+    from workloads.trainer import make_optimizer
+
+    grads = {"w": np.full((4, 4), 3.0, np.float32), "b": np.full((4,), 4.0, np.float32)}
+    params = jax.tree.map(np.zeros_like, grads)
+    opt = make_optimizer(TRAIN.model_copy(update={"grad_clip_norm": clip}))
+    _, state = opt.update(grads, opt.init(params), params)
+    first_moment = state[1][0].mu
+    norm = float(optax.tree.norm(grads))
+    assert float(optax.tree.norm(first_moment)) == pytest.approx(0.1 * (clip or norm), rel=1e-5)

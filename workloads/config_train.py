@@ -29,6 +29,14 @@ class TrainConfig(_Strict):
         10, ge=0, le=MAX_STEPS, description="Linear warmup steps before cosine decay."
     )
     weight_decay: Float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
+    grad_clip_norm: Float | None = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Scale the gradients down to this global L2 norm when it is larger, before the "
+            "AdamW update; null: no clipping. Step metrics log the norm before clipping."
+        ),
+    )
     checkpoint_every: Int = Field(50, ge=1, description="Save a checkpoint every K steps.")
     keep_checkpoints: Int = Field(
         3,
@@ -67,10 +75,10 @@ class TrainConfig(_Strict):
         """The most steps a hard kill may cost (max_lost_steps, or checkpoint_every)."""
         return self.max_lost_steps or self.checkpoint_every
 
-    @field_validator("learning_rate", "weight_decay")
+    @field_validator("learning_rate", "weight_decay", "grad_clip_norm")
     @classmethod
-    def _fits_float32(cls, value: float) -> float:
-        if value >= FLOAT32_MAX:
+    def _fits_float32(cls, value: float | None) -> float | None:
+        if value is not None and value >= FLOAT32_MAX:
             raise ValueError(f"{value:g} is inf in float32: use a value below 3.4e38")
         return value
 

@@ -54,16 +54,24 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping (to 1.0); weight decay on matrices only, so the
-    norms' scale vectors are not decayed. (The embedding's padding rows are: they get no
-    gradient, so decay only shrinks them, and they are never looked up or predicted.)"""
+    """AdamW after global-norm clipping (to `grad_clip_norm`, if set); weight decay on
+    matrices only, so the norms' scale vectors are not decayed. (The embedding's padding
+    rows are: they get no gradient, so decay only shrinks them, and they are never looked
+    up or predicted.)"""
 
     def decay_mask(params: Any) -> Any:
         # Weight decay on matrices only: decaying norm scales pulls them towards zero.
         return jax.tree.map(lambda p: p.ndim >= 2, params)
 
+    # Without clipping, identity() keeps the optimizer state's structure (both states are
+    # empty), so checkpoints have one layout whatever the setting.
+    clip = (
+        optax.identity()
+        if cfg.grad_clip_norm is None
+        else optax.clip_by_global_norm(cfg.grad_clip_norm)
+    )
     return optax.chain(
-        optax.clip_by_global_norm(1.0),
+        clip,
         optax.adamw(
             lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask
         ),
