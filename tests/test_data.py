@@ -8,6 +8,7 @@ import platform
 import random
 import re
 import shutil
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -408,6 +409,18 @@ def test_stdlib_source(tmp_path):
     assert len(files) > 500 and all(f.uri.endswith(".py") for f in files)
     assert not any("site-packages" in f.uri for f in files)
     assert files[0].key == "__future__.py"
+    # Every .py file outside site-packages, hidden ones aside: skipping __pycache__ loses none.
+    root = sysconfig.get_paths()["stdlib"]
+    expected = set()
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages" and not d.startswith(".")]
+        rel = os.path.relpath(top, root)
+        expected |= {
+            os.path.normpath(os.path.join(rel, n)).replace(os.sep, "/")
+            for n in names
+            if n.endswith(".py") and not n.startswith(".") and os.path.isfile(os.path.join(top, n))
+        }
+    assert {f.key for f in files} == expected
     cfg = DatasetConfig(sources=["stdlib"], seq_len=128, num_shards=2, max_bytes=1_000_000)
     m = data.shard_dataset(cfg, tmp_path / "out").manifest
     total = m["splits"]["train"]["bytes"] + m["splits"]["eval"]["bytes"]
