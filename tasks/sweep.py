@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
-from prefect.concurrency.sync import concurrency
 
+from tasks.sweep_chips import hold_chips
 from tasks.sweep_deployed import cancel_trial_runs, ensure_trial_deployment
 from tasks.sweep_models import (
     Launcher,
@@ -109,12 +109,13 @@ def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher, queue: TrialQueue
     Never raises for the trial's own failure: the sweep goes on and ranks what finished.
     """
     asked = time.time()
-    try:
-        # strict: a limit deleted since planning must stop the trial, not run it unlimited.
-        with concurrency(plan.chip_limit, occupy=trial.chips, strict=True):
-            return _admitted(trial, plan, launch, asked, queue)
-    except Exception as exc:  # no admission (limit gone, API unreachable): never ran
-        return _never_ran(trial, crashed(exc), asked)
+    with ExitStack() as chips:
+        try:
+            if not hold_chips(chips, plan.chip_limit, trial.chips, lambda: queue.closed):
+                return _never_ran(trial, NOT_STARTED, asked)
+        except Exception as exc:  # no admission (limit gone, API unreachable): never ran
+            return _never_ran(trial, crashed(exc), asked)
+        return _admitted(trial, plan, launch, asked, queue)
 
 
 @task(name="run-lane", cache_policy=NONE, task_run_name="lane-{lane}")
@@ -133,9 +134,9 @@ def run_lane(lane: int, queue: TrialQueue, plan: SweepPlan, launch: Launcher) ->
                 held = 0
                 _release(chips, lane)
                 try:
-                    chips.enter_context(
-                        concurrency(plan.chip_limit, occupy=trial.chips, strict=True)
-                    )
+                    if not hold_chips(chips, plan.chip_limit, trial.chips, lambda: queue.closed):
+                        results.append(_never_ran(trial, NOT_STARTED, asked))
+                        continue
                 except Exception as exc:  # no admission (limit gone, API unreachable)
                     results.append(_never_ran(trial, crashed(exc), asked))
                     continue

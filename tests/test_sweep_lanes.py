@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 import tasks.sweep as sweep_tasks
+import tasks.sweep_chips as sweep_chips
 import tasks.sweep_deployed as sweep_deployed
 from tasks.sweep import SweepPlan, TrialOutcome
 from tasks.sweep_space import Trial
@@ -39,17 +40,17 @@ def plan_of(tmp_path, chips: list[int], lanes: int, limit: str) -> SweepPlan:
 
 @pytest.fixture
 def acquisitions(monkeypatch) -> list[int]:
-    """The chip counts acquired from the limit, in order."""
+    """The chip counts acquired from the limit, in order (granted, not asked for)."""
     seen: list[int] = []
-    real = sweep_tasks.concurrency
+    real = sweep_chips.concurrency
 
     @contextmanager
-    def counted(name, occupy, strict):
-        seen.append(occupy)
-        with real(name, occupy=occupy, strict=strict):
+    def counted(name, occupy, **options):
+        with real(name, occupy=occupy, **options):
+            seen.append(occupy)
             yield
 
-    monkeypatch.setattr(sweep_tasks, "concurrency", counted)
+    monkeypatch.setattr(sweep_chips, "concurrency", counted)
     return seen
 
 
@@ -269,6 +270,52 @@ def test_a_second_signal_stops_the_wait_for_trials_slow_to_stop(tmp_path, prefec
         (1, "cancelled", "stopping"),
         (2, "cancelled", "not started"),
     ]
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_sweep_stopped_while_its_trials_wait_for_chips_ends(tmp_path, prefect_harness, lanes):
+    # Another sweep holds every chip of the limit. A trial's request for chips waited
+    # without end: the stopped sweep waited for it (a second signal raised, but the
+    # waiting threads kept the process from exiting) until the chips came free.
+    import os
+    import signal
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    limit = f"chips-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        sweep_tasks.ensure_chip_limit(limit, 8, 8, client)
+    held, free = threading.Event(), threading.Event()
+
+    def other_sweep() -> None:
+        with sweep_chips.concurrency(limit, occupy=8, strict=True):
+            held.set()
+            free.wait(40)  # then the old code's trials get in, and see the stop
+
+    holder = threading.Thread(target=other_sweep, daemon=True)
+    holder.start()
+    assert held.wait(30)
+    plan = plan_of(tmp_path, [8] * 3, lanes=lanes, limit=limit)
+    STARTED.clear()
+
+    @flow
+    def interrupted() -> list:
+        threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return sweep_tasks.run_trials(plan, watching)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(sweep_tasks.SweepInterrupted) as caught:
+            interrupted()
+        assert time.monotonic() - start < 20  # not until the other sweep frees its chips
+    finally:
+        free.set()
+        holder.join(30)
+    assert STARTED == []
+    outcomes = [(r.index, r.status, r.error.split(":")[0]) for r in caught.value.results]
+    assert outcomes == [(i, "cancelled", "not started") for i in range(3)]
 
 
 def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_sweep_run(
