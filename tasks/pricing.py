@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from workloads.config import PipelineConfig, tpu_topology
 from workloads.config_file import ConfigError
+from workloads.config_infra import MAX_USD_PER_CHIP_HOUR
 
 SHIPPED_TABLE = "tpu_prices.yaml"
 
@@ -50,8 +51,8 @@ class _Strict(BaseModel):
 class RegionPrice(_Strict):
     """USD per chip-hour in one region; a missing figure means 'not known', not zero."""
 
-    on_demand: float | None = Field(None, gt=0)
-    spot: float | None = Field(None, gt=0)
+    on_demand: float | None = Field(None, gt=0, le=MAX_USD_PER_CHIP_HOUR)
+    spot: float | None = Field(None, gt=0, le=MAX_USD_PER_CHIP_HOUR)
 
 
 class PriceTable(_Strict):
@@ -213,15 +214,20 @@ def attempt_pricing(config: PipelineConfig) -> dict[str, Any]:
     }
 
 
+# A recorded chip count past this is no record: no slice has 2**31 chips, and one of 2**63
+# overflowed the sinks' INT64 column; with the price bounded too, no cost is inf.
+MAX_RECORDED_CHIPS = 2**31 - 1
+
+
 class _PriceRecord(BaseModel):
     """A `Price` as an event records it. Strict: a value of another type is no record."""
 
     model_config = ConfigDict(strict=True, extra="ignore")  # a newer version's fields too
-    chips: int = Field(ge=1)
+    chips: int = Field(ge=1, le=MAX_RECORDED_CHIPS)
     capacity: str
     accelerator: str | None
     region: str | None
-    usd_per_chip_hour: float | None = Field(ge=0, allow_inf_nan=False)
+    usd_per_chip_hour: float | None = Field(ge=0, le=MAX_USD_PER_CHIP_HOUR, allow_inf_nan=False)
     source: str
     as_of: str | None = None
 
@@ -231,7 +237,7 @@ class _SliceRecord(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     provider: str | None = None
-    devices: int | None = Field(None, ge=1)
+    devices: int | None = Field(None, ge=1, le=MAX_RECORDED_CHIPS)
     accelerator_type: str | None = None
     zone: str | None = None
     capacity: str | None = None
@@ -241,7 +247,9 @@ def readable_pricing(event: dict[str, Any]) -> bool:
     """Whether an event's `price` and `slice` records, if any, are as `attempt_pricing`
     writes them. A damaged one (null, a string, a field of another type: a hand edit)
     failed the run's landing and `tpupipe report` with a TypeError naming no file; the
-    ledger drops it, and prices the attempt as one that recorded none."""
+    ledger drops it, and prices the attempt as one that recorded none. So does a figure
+    no run records (more than `MAX_RECORDED_CHIPS` chips, a price past
+    `MAX_USD_PER_CHIP_HOUR`), whose cost failed the landing too."""
     try:
         if "price" in event:
             _PriceRecord.model_validate(event["price"])

@@ -157,6 +157,9 @@ def test_a_bad_price_table_names_the_file_and_field(tmp_path):
     assert f"{bad}: families.v9.us-central1.spot: Input should be greater than 0" in msg
     with pytest.raises(PriceTableError, match=r"cost.price_table = '.*missing.yaml': cannot"):
         load_price_table(tmp_path / "missing.yaml")
+    (tmp_path / "huge.yaml").write_text(TABLE.replace("spot: 0.5", "spot: 1.0e+305"))
+    with pytest.raises(PriceTableError, match=r"huge\.yaml: .*spot: .*less than or equal to"):
+        load_price_table(tmp_path / "huge.yaml")  # a long run's cost was inf: no landing
     (tmp_path / "junk.yaml").write_text("source: [unclosed\n")
     with pytest.raises(PriceTableError, match=r"junk\.yaml: not valid YAML"):
         load_price_table(tmp_path / "junk.yaml")
@@ -164,6 +167,8 @@ def test_a_bad_price_table_names_the_file_and_field(tmp_path):
 
 def test_cost_config_errors_name_their_fields(tmp_path):
     tiny = REPO / "configs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"cost.usd_per_chip_hour: .*less than or equal to"):
+        load_config(tiny, ["cost.usd_per_chip_hour=1e305"])
     with pytest.raises(ConfigError, match=r"cost.priced_as = 'v5litepod-8' needs cost.region"):
         load_config(tiny, ["cost.priced_as=v5litepod-8"])
     with pytest.raises(ConfigError, match=r"cost.priced_as 'v9-8' is not one of"):

@@ -46,6 +46,10 @@ def _report(root: Path, capsys) -> tuple[int, str, str]:
         lambda price: {**price, "chips": "8"},
         lambda price: {**price, "usd_per_chip_hour": float("nan")},
         lambda price: {k: v for k, v in price.items() if k != "source"},
+        # Well typed, but no run records them: the cost was inf (RunRow refused it) and
+        # 2**63 chips overflowed the sinks' INT64 column, so no runs row landed.
+        lambda price: {**price, "chips": 1_000_000, "usd_per_chip_hour": 1e305},
+        lambda price: {**price, "chips": 2**63},
     ],
 )
 def test_a_damaged_price_record_prices_its_attempt_by_the_config(tmp_path, capsys, damage):
@@ -69,6 +73,10 @@ def test_a_damaged_price_record_prices_its_attempt_by_the_config(tmp_path, capsy
     assert by_attempt == [2.0, 3.0, 3.0]  # attempt 1 as one that recorded no price
     code, out, _ = _report(tmp_path, capsys)
     assert code == 0 and "cost: $" in out
+    config = tiny_config(tmp_path, "run_name=three", FLAT, "train.steps=60")
+    verified = VerifiedCheckpoint(60, "h", "0" * 64, 1, 1)
+    run, _, _ = build_rows(config, plan_run(config), datetime.now(UTC), verified, None)
+    assert 0 < run.cost_usd < 1e6 and run.chips < 2**31
 
 
 def test_a_price_record_with_a_newer_versions_field_is_read(tmp_path):

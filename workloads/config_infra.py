@@ -136,6 +136,11 @@ class MetricsConfig(_Strict):
         return value
 
 
+# No accelerator is billed a million dollars a chip-hour: past that a figure is a typo, and
+# the run's cost of a long run could pass what a float holds (landing failed on an inf).
+MAX_USD_PER_CHIP_HOUR = 1e6
+
+
 class CostConfig(_Strict):
     """How the cost ledger prices the run's chip-hours (it never changes what runs)."""
 
@@ -147,6 +152,7 @@ class CostConfig(_Strict):
     usd_per_chip_hour: Float | None = Field(
         None,
         gt=0,
+        le=MAX_USD_PER_CHIP_HOUR,
         description="One price per chip-hour for this run (e.g. a committed-use rate); "
         "overrides the price table.",
     )
