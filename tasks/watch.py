@@ -117,6 +117,7 @@ def watch_slice(
     """
     started = clock()
     last_step, suspect_since, failing_since, heard = None, None, None, False
+    our_step = None  # this attempt's newest step: its last heartbeat may have none
     quarantined: set[int] = set()  # steps whose quarantine was logged
     while True:
         # The heartbeat's step: the workload may have gone on a step or two before it
@@ -153,13 +154,16 @@ def watch_slice(
         if ours:
             _log_quarantined(heartbeat, quarantined, log)
         step = heartbeat.get("step")
+        if ours and step is not None:
+            our_step = step
         if step != last_step and step is not None:
             log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
             last_step = step
             if on_heartbeat is not None:
                 on_heartbeat(heartbeat)
         if status.state in (SliceState.PREEMPTED, SliceState.NOT_FOUND):
-            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {step}")
+            at = step if step is not None else our_step
+            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {at}")
         if status.state == SliceState.TERMINATED:
             break
         silent = clock() - max(heartbeat.get("time", started), started)
@@ -185,12 +189,15 @@ def watch_slice(
         # An older attempt's heartbeat, its error included: this attempt's workload died
         # before it wrote one (a full disk), and that error was reported as this one's.
         final = {}
+    if final.get("step") is None and our_step is not None:
+        # A "failed" heartbeat says no step (written outside the loop), nor does one of
+        # another tool: the message of a kill then said "at step None".
+        final = {**final, "step": our_step}
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
-    if status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None) and not final.get(
-        "error"
-    ):
-        final = {**final, "error": _last_log_line(run_dir, name, log_path)}
+    elif status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None):
+        error = _with_host_errors(final.get("error"), run_dir, attempt, started)
+        final = {**final, "error": error or _last_log_line(run_dir, name, log_path)}
     return _ended(name, status.exit_code, final, clock() - started)
 
 
@@ -224,6 +231,25 @@ def _last_log_line(run_dir: RunDir, name: str, log_path: str | None = None) -> s
         return None
     line = lines[-1] if len(lines[-1]) <= 400 else lines[-1][:400] + " ..."
     return f"{line} (the last line of {path})"
+
+
+def _with_host_errors(
+    error: str | None, run_dir: RunDir, attempt: int | None, started: float
+) -> str | None:
+    """`error` (host 0's, or its log's last line) with this attempt's errors of the other
+    hosts (`RunDir.host_failures`) that differ from it: only host 0 writes the heartbeat,
+    and a host that failed alone (its input, its disk) says why in its own record."""
+    read = getattr(run_dir, "host_failures", None)  # a stand-in without one has none
+    try:
+        records = read() if read else {}
+    except OSError:
+        records = {}
+    others = [
+        f"host {host}: {record.get('error')}"
+        for host, record in records.items()
+        if _ours(record, attempt, started) and record.get("error") not in (None, error)
+    ]
+    return "; ".join(([error] if error else []) + others) or None
 
 
 def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:

@@ -11,6 +11,9 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from workloads.events import EventLog
+from workloads.rundir import RunDir
+
 
 class PreemptionNotice:
     """Set by SIGTERM; the loop saves at the next step boundary and exits.
@@ -67,3 +70,32 @@ def init_distributed(env: Mapping[str, str] = os.environ) -> bool:
         jax.distributed.initialize()
         return True
     return False
+
+
+def host_index(across_hosts: bool, env: Mapping[str, str] = os.environ) -> int:
+    """This process's host in the slice: JAX's once `jax.distributed` started, else the
+    local provider's `TPUPIPE_PROCESS_ID` (a host whose start-up failed is still not host
+    0), else 0."""
+    return jax.process_index() if across_hosts else int(env.get("TPUPIPE_PROCESS_ID", "0"))
+
+
+def record_failure(run_dir: str, error: str, host: int) -> None:
+    """Record why training stopped on `host`: host 0, which writes every report, in the
+    heartbeat (phase "failed") and a `failed` event; another host only in its own
+    `status-host<i>.json`, which the orchestrator quotes if the attempt failed.
+
+    Why not every host in the heartbeat: when a host is killed (a preemption), the
+    survivors' collectives fail, and a survivor's "failed" heartbeat and event said a lost
+    host was a failed workload; the orchestrator reads the hosts' exit codes, the kill
+    first, and calls that a preemption.
+
+    Raises:
+        LeaseLost: a newer attempt owns the run directory (nothing was written).
+    """
+    events = EventLog.from_env(run_dir)
+    events.check_lease()
+    if host == 0:
+        RunDir(run_dir).write_status("failed", error=error, attempt=events.attempt)
+        events.emit("failed", error=error)
+    else:
+        RunDir(run_dir).write_host_failure(host, error, attempt=events.attempt)

@@ -19,6 +19,7 @@ from typing import Any
 from etils import epath
 
 STATUS = "status.json"
+HOST_STATUS = "status-host{host}.json"  # a failure of a host other than 0 (`write_host_failure`)
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 EVAL = "eval.json"
@@ -162,6 +163,25 @@ class RunDir:
                 log.warning("%s; read as no heartbeat (the workload rewrites it)", exc)
                 self._warned_status = True
             return None
+
+    def write_host_failure(self, host: int, error: str, **fields: Any) -> None:
+        """Record why host `host` (not 0) stopped, beside the heartbeat, never in it: host 0
+        writes the heartbeat, and a host whose collective broke because another host was
+        killed would otherwise replace it with that error (and no step)."""
+        payload = {"phase": "failed", "error": error, "time": self._clock(), **fields}
+        write_json_atomic(self.path / HOST_STATUS.format(host=host), payload)
+
+    def host_failures(self) -> dict[int, dict[str, Any]]:
+        """The failures `write_host_failure` recorded, by host (any attempt's: the caller
+        tells its own); unreadable ones left out."""
+        found = {}
+        for path in self.path.glob(HOST_STATUS.format(host="*")):
+            host = path.name.removeprefix("status-host").removesuffix(".json")
+            with contextlib.suppress(UnreadableFile, OSError):
+                record = read_json(path)
+                if host.isdigit() and record is not None:
+                    found[int(host)] = record
+        return dict(sorted(found.items()))
 
     def append_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Append step metrics, one JSON object a line, flushed before returning."""

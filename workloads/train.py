@@ -29,7 +29,7 @@ from workloads.config import WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost
-from workloads.hosts import PreemptionNotice, init_distributed
+from workloads.hosts import PreemptionNotice, host_index, init_distributed, record_failure
 from workloads.perf import (  # configure_compile_cache: re-exported
     CompileCounter,
     configure_compile_cache,
@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.exception("training failed")  # first: writing the run directory may fail too
-        events = EventLog.from_env(wcfg.run_dir)
         try:
-            RunDir(wcfg.run_dir).write_status("failed", error=error, attempt=events.attempt)
-            events.emit("failed", error=error)
+            record_failure(wcfg.run_dir, error, host_index(notice.across_hosts))
+        except LeaseLost as lost:  # a newer attempt owns the run directory: write nothing
+            log.error("%s", lost)
         except Exception:  # a full disk: the slice log says why, as the exit code does
             log.exception("could not record the failure in %s", wcfg.run_dir)
         if notice.across_hosts:

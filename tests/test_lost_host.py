@@ -1,0 +1,85 @@
+"""A slice of two hosts that loses one: host 0, the one that writes the run's reports,
+killed outright is a preemption at the step it reached, and the host left (whose
+collectives then fail) writes no "failed" heartbeat or event over it; a host that fails
+alone is still named in the attempt's error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from infra.slices import SliceState, SliceStatus
+from infra.slices.procs import live_members
+from tasks.goodput import read_events
+from tasks.watch import WatchSettings, WorkloadFailed, WorkloadPreempted, watch_slice
+from tests.workload_runs import WorkloadRun
+from workloads.rundir import RunDir
+
+SETTINGS = WatchSettings(poll_s=0.05, heartbeat_timeout_s=600, confirm_s=60)
+
+
+class Ended:
+    """A provider whose slice has ended with `code`."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def status(self, name: str) -> SliceStatus:
+        return SliceStatus(name, SliceState.TERMINATED, self.code)
+
+
+@pytest.mark.slow
+def test_host_0_killed_is_a_preemption_at_its_step_and_host_1_records_no_failure(tmp_path):
+    run = WorkloadRun(tmp_path, "slice.hosts=2", "train.steps=2000", "train.log_every=5")
+    name = run.start()
+    record = json.loads((run.provider.registry_dir / f"{name}.json").read_text())
+    deadline = time.monotonic() + 120
+    while not (run.run_dir / "status.json").exists() or (run.status().get("step") or 0) < 10:
+        assert time.monotonic() < deadline, "the hosts never reached step 10"
+        assert run.provider.status(name).state is SliceState.READY, "attempt ended early"
+        time.sleep(0.02)
+    os.kill(record["pids"][0], signal.SIGKILL)
+    # Host 1 goes on until its next collective breaks, then records what it saw: let it
+    # finish before the watch reads the heartbeat, as a slower orchestrator would.
+    while live_members(record["pgid"]):
+        assert time.monotonic() < deadline + 60, "host 1 outlived host 0 by a minute"
+        time.sleep(0.05)
+    status = run.status()
+    assert status["phase"] == "training" and status["step"] >= 10, status
+    assert "failed" not in [e["event"] for e in read_events(run.run_dir / "events.jsonl")]
+    with pytest.raises(WorkloadPreempted, match=rf"killed \(signal 9\) at step {status['step']}$"):
+        watch_slice(run.provider, name, RunDir(run.run_dir), SETTINGS, lambda m: None, attempt=1)
+    run.provider.delete(name)
+
+
+def test_a_kill_after_a_heartbeat_without_a_step_names_the_last_step_seen(tmp_path):
+    rd = RunDir(tmp_path)
+    beats = iter([{"phase": "training", "step": 40}, {"phase": "failed", "error": "gloo"}])
+
+    def read_status() -> dict:
+        return {"attempt": 1, "time": time.time(), **next(beats, {"phase": "failed"})}
+
+    rd.read_status = read_status
+
+    class KilledOnSecondLook(Ended):
+        looks = 0
+
+        def status(self, name: str) -> SliceStatus:
+            self.looks += 1
+            return SliceStatus(name, SliceState.READY) if self.looks == 1 else super().status(name)
+
+    with pytest.raises(WorkloadPreempted, match=r"killed \(signal 9\) at step 40$"):
+        watch_slice(KilledOnSecondLook(-9), "s", rd, SETTINGS, lambda m: None, attempt=1)
+
+
+def test_a_failure_of_host_1_alone_is_named_in_the_attempts_error(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.write_status("training", step=5, attempt=2)
+    rd.write_host_failure(1, "OSError: shard 7 is unreadable", attempt=2)
+    rd.write_host_failure(2, "an older attempt's error", attempt=1)
+    with pytest.raises(WorkloadFailed, match=r"code 1: host 1: OSError: shard 7 is unreadable$"):
+        watch_slice(Ended(1), "s", rd, SETTINGS, lambda m: None, attempt=2)
