@@ -11,6 +11,14 @@ Ledgers written before that restarted at attempt 1 in every invocation and carry
 invocation. They are split where an attempt number that already ended asks for a slice
 again (an attempt never provisions after its `attempt_ended`), and the later
 invocation's attempts are renumbered after the earlier ones, as they would be today.
+
+One kind of event is written after its attempt's time: `leftover_deleted`, which a later
+orchestrator (a rerun, or the same invocation's next attempt or teardown) appends when it
+deletes a copy of the run's slice that the attempt left standing (its orchestrator was
+killed, or its delete failed). It is stamped with that attempt's number, so it lands in the
+attempt's group and the ledger bills the node until then; but the attempt's timeline, its
+invocation's span and so the wall time and goodput leave it out (`timed`): the time between
+a run and its rerun is nobody's time, though the node it left was billed.
 """
 
 from __future__ import annotations
@@ -18,6 +26,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 Groups = dict[int, list[dict]]  # attempt number -> its events, in time order
+
+LEFTOVER_DELETED = "leftover_deleted"
+# Events that say what happened to an attempt's slice after the attempt: billed, not timed.
+AFTERMATH = frozenset({LEFTOVER_DELETED})
+
+
+def timed(events: list[dict]) -> list[dict]:
+    """The events that place an attempt or an invocation on the clock: all but those of
+    `AFTERMATH`, written later by another orchestrator (see the module docstring)."""
+    return [e for e in events if e["event"] not in AFTERMATH]
 
 
 def split_invocations(events: list[dict]) -> list[Groups]:
@@ -39,6 +57,8 @@ def split_invocations(events: list[dict]) -> list[Groups]:
         raw = event.get("attempt", 0)
         invocation = event.get("invocation")
         starts = not invocations
+        # Only a request starts one: a rerun's `leftover_deleted`, written before its first
+        # request, stays in the invocation of the attempt whose slice it deleted.
         if event["event"] == "provision_requested":
             # A new flow run's first request; or, in an old ledger, a number reused.
             starts = starts or (invocation is not None and invocation != marker)
@@ -73,9 +93,12 @@ def next_attempt(events: list[dict]) -> int:
 
 
 def invocation_spans(events: list[dict]) -> list[tuple[float, float]]:
-    """(first, last) event time of each invocation, in time order."""
+    """(first, last) event time of each invocation, in time order. A `leftover_deleted`
+    event is left out: grouped with the attempt whose slice it deleted, in that attempt's
+    invocation, it would stretch the span to the rerun that wrote it."""
     spans = []
     for invocation in split_invocations(events):
-        times = [e["time"] for evs in invocation.values() for e in evs]
-        spans.append((min(times), max(times)))
+        times = [e["time"] for evs in invocation.values() for e in timed(evs)]
+        if times:  # none: only a leftover's deletion, of an attempt whose events are gone
+            spans.append((min(times), max(times)))
     return spans

@@ -17,6 +17,8 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
   since nothing after that step is trained again;
 - idle: whatever no bucket explains (waits between attempts, orchestration).
 
+`leftover_deleted` (see `tasks.attempts`) is billed by the ledger, never timed here.
+
 `attempt_timelines` places those buckets on the clock, attempt by attempt (the report's
 timeline is drawn from it); `compute_goodput` adds them up.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from etils import epath
 
-from tasks.attempts import by_attempt, invocation_spans
+from tasks.attempts import by_attempt, invocation_spans, timed
 from tasks.pricing import readable_pricing
 from workloads.rundir import MAX_TIME
 
@@ -164,7 +166,8 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
     Within an attempt the segments follow each other: provisioning, start-up, restore
     (placed just before the first step), productive, lost, teardown.
     """
-    groups = by_attempt(events)
+    # Numbered as the ledger numbers them; a leftover's deletion is no time of the attempt.
+    groups = {n: evs for n, group in by_attempt(events).items() if (evs := timed(group))}
     attempts = list(groups)
     resumes = [_resume_point(groups[a]) for a in attempts]
     timelines = []

@@ -11,9 +11,17 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
   is a queued resource, which has no node and costs nothing while it waits for capacity,
   and READY is the ledger's first sign of the node. So queued spot waits are never billed
   (they still count as provisioning badput, in time).
-- It ends when the attempt deleted its slice (`deleted`), so teardown lag is billed. An
-  attempt that has no `deleted` event (its slice was already gone, or was deleted later by
-  the flow or the reaper) is billed to its end (`attempt_ended`, else its last event).
+- It ends when the attempt deleted its slice (`deleted`), so teardown lag is billed. A
+  slice the attempt left standing (its orchestrator was killed, or its delete failed) is
+  billed until a later orchestrator deleted it: a rerun's delete before it creates its
+  slice, the next attempt's, or the flow's teardown (of a finished run too) records
+  `leftover_deleted` with the attempt's number, read from the slice's `attempt` label, and
+  the window ends there, past `attempt_ended` (the node ran on after the attempt ended);
+  the later of the two when an attempt has both. An attempt with neither (its slice was
+  already gone, or the reaper deleted it: it knows a slice's run id and root hash, not its
+  run directory, so it records nothing; or the slice has no `attempt` label, made by an
+  older version) is billed to its end (`attempt_ended`, else its last event), and errs
+  low by the node's time after that.
 - Failed creates and the back-off between them bill nothing: no node existed.
 
 Chips and price are the attempt's own: it records them when it asks for its slice
@@ -23,9 +31,11 @@ recorded by an older version, without that record, is billed at the run's curren
 
 Google bills Cloud TPU "while your TPU node is in a READY state" (cloud.google.com/tpu/
 pricing), so the ledger errs high where it counts a node that may not be READY yet or any
-more (an on-demand node being created; a preempted node until it is deleted); it never
-counts time when no node can exist. Tokens trained are the steps that count (the goodput's
-productive steps: work a checkpoint kept, each step once) × global batch × sequence length.
+more (an on-demand node being created; a preempted node until it is deleted, a left one
+too); it never counts time when no node can exist. It errs low only on a node that no
+orchestrator of the run deleted (see above). Tokens trained are the steps that count (the
+goodput's productive steps: work a checkpoint kept, each step once) × global batch ×
+sequence length.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.attempts import by_attempt
+from tasks.attempts import LEFTOVER_DELETED, by_attempt, timed
 from tasks.goodput import AttemptTimeline, Goodput, attempt_timelines, compute_goodput
 from tasks.pricing import Price, recorded_price
 from workloads.config import PipelineConfig
@@ -92,7 +102,7 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
     docstring. None when no slice became ready in the attempt.
 
     Args:
-        events: the events of one attempt, in time order.
+        events: the events of one attempt, in time order (its `leftover_deleted` too).
         capacity: `slice.capacity` ('on-demand', 'spot' or 'reserved').
     """
     ready = [e["time"] for e in events if e["event"] == "provision_ready"]
@@ -108,7 +118,9 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
         ]
         start = requests[-1] if requests else ready[-1]
     kinds = {e["event"]: e["time"] for e in events}  # the last of each kind
-    end = kinds.get("deleted", kinds.get("attempt_ended", events[-1]["time"]))
+    # The later deletion: a copy left after the attempt's own delete ran on until then.
+    deletions = [kinds[k] for k in ("deleted", LEFTOVER_DELETED) if k in kinds]
+    end = max(deletions, default=kinds.get("attempt_ended", timed(events)[-1]["time"]))
     return start, max(end, start)
 
 

@@ -4,14 +4,21 @@ Runs of one run name under two storage roots (two buckets' `nightly`) share the 
 name, and with fallback zones each can hold it in another zone at once. The `run-root`
 label tells them apart: a run deletes only its own copies, and refuses to create its
 slice while another root's copy holds the name anywhere.
+
+A copy of the run's own that an earlier attempt left standing (its orchestrator was
+killed, or its delete failed) was billed by Google until it is deleted here, so its
+deletion is recorded for that attempt (`leftover_deleted`, see `tasks.ledger`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from infra.slices.base import LabelTest
+from infra.slices.base import LabelTest, SliceStatus
+from tasks.attempts import LEFTOVER_DELETED
+from tasks.goodput import MAX_ATTEMPT
 from tasks.plan import ROOT_LABEL, RunPlan, root_tag
+from workloads.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +36,26 @@ def own_copy(plan: RunPlan) -> LabelTest:
     return lambda labels: labels.get(ROOT_LABEL) in (None, ours)
 
 
+def _copies(provider, plan: RunPlan) -> list[SliceStatus]:
+    """Every copy of the run's slice name; none when they cannot be read (see
+    `foreign_slice`)."""
+    try:
+        return provider.copies(plan.slice_name)
+    except Exception as exc:  # see foreign_slice's docstring
+        log.warning("slice %s: could not read its labels: %s", plan.slice_name, exc)
+        return []
+
+
 def foreign_slice(provider, plan: RunPlan) -> str | None:
     """What holds the run's slice name, when a run under another storage root does in any
     place (zone); None when every copy is this run's or there is none. A copy labelled
     before the `run-root` label existed is taken as this run's, as it was before; so are
     copies that cannot be read, as the delete that follows goes on as it did before (it
     still deletes only the copies it reads as this run's)."""
-    try:
-        copies = provider.copies(plan.slice_name)
-    except Exception as exc:  # see the docstring
-        log.warning("slice %s: could not read its labels: %s", plan.slice_name, exc)
-        return None
+    return _foreign(_copies(provider, plan), plan)
+
+
+def _foreign(copies: list[SliceStatus], plan: RunPlan) -> str | None:
     ours = own_copy(plan)
     theirs = next((c for c in copies if not ours(c.labels)), None)
     if theirs is None:
@@ -51,19 +67,79 @@ def foreign_slice(provider, plan: RunPlan) -> str | None:
     )
 
 
-def delete_own_slice(provider, plan: RunPlan, logger) -> bool | None:
+def delete_own_slice(provider, plan: RunPlan, logger, running: int | None = None) -> bool | None:
     """Delete the run's copies of its slice name, in every zone: True if something was
     deleted, False if nothing was there. A copy a run under another storage root holds
     is logged and left standing; None when it was and nothing of this run's was deleted.
+    A copy an attempt other than `running` made is recorded as that attempt's leftover.
 
     Args:
         provider: the run's slice provider.
         plan: the run.
         logger: receives the warning naming the copy left standing.
+        running: the attempt deleting its own slice; None after the attempts (the flow's
+            teardown), when every copy is a leftover.
     """
-    other = foreign_slice(provider, plan)
+    copies = _copies(provider, plan)
+    other = _foreign(copies, plan)
     if other is not None:
         logger.warning("%s: left standing", other)
-    # Only this run's copies, wherever they are: another root's copy of the name stays.
-    deleted = provider.delete(plan.slice_name, where=own_copy(plan))
+    deleted = _delete_recording(provider, plan, copies, running)
     return deleted if other is None else (deleted or None)
+
+
+def clear_slice_name(provider, plan: RunPlan, attempt: int) -> None:
+    """Before attempt `attempt` creates the run's slice: delete the run's copies of the
+    name (a killed orchestrator's would block the create, or, in a zone this attempt does
+    not use, be billed until its ttl), recording each earlier attempt's as its leftover.
+
+    Raises:
+        SliceNameTaken: a run under another storage root holds the name: not ours to
+            delete, and the create would fail on it.
+    """
+    copies = _copies(provider, plan)
+    if (other := _foreign(copies, plan)) is not None:
+        raise SliceNameTaken(f"{other}: wait for it to end, or choose another run_name")
+    _delete_recording(provider, plan, copies, attempt)
+
+
+def _delete_recording(
+    provider, plan: RunPlan, copies: list[SliceStatus], running: int | None
+) -> bool:
+    # The labels are read before the delete: after it, nothing says whose copy it was.
+    ours = own_copy(plan)
+    left = {
+        number: copy.state.value
+        for copy in copies
+        if ours(copy.labels) and (number := _attempt_of(copy.labels)) not in (None, running)
+    }
+    # Only this run's copies, wherever they are: another root's copy of the name stays.
+    deleted = provider.delete(plan.slice_name, where=ours)
+    if deleted:
+        for number, state in sorted(left.items()):
+            _record_leftover(plan, number, state)
+    return deleted
+
+
+def _attempt_of(labels) -> int | None:
+    """The attempt that made a copy, from its `attempt` label; None without one (a slice
+    of an older version, or made by hand): its deletion is billed to nobody."""
+    value = labels.get("attempt", "")
+    return int(value) if value.isdecimal() and 0 < int(value) < MAX_ATTEMPT else None
+
+
+def _record_leftover(plan: RunPlan, attempt: int, state: str) -> None:
+    """Append `leftover_deleted` for `attempt`, stamped with this invocation. A failed
+    write is logged, not raised: the slice is gone either way, and failing the attempt
+    (or the teardown) over the ledger's note would cost more than the note is worth."""
+    try:
+        events = EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
+        events.emit(LEFTOVER_DELETED, name=plan.slice_name, state=state)
+    except Exception as exc:  # see the docstring
+        log.warning(
+            "deleted slice %s left by attempt %d, but could not record it in %s: %s",
+            plan.slice_name,
+            attempt,
+            plan.run_dir,
+            exc,
+        )

@@ -8,6 +8,13 @@ created it no longer exists.
 
 A slice name can exist in several zones at once (runs of one run name under two storage
 roots), and `list` shows each copy: every decision deletes only the copy it was made on.
+
+Neither layer records its deletion in the run's `events.jsonl`, as a run's own deletes of
+a leftover do (`leftover_deleted`, `tasks.own_slice`): a slice's labels carry its run id
+and a hash of its storage root, not the root, so the reaper cannot tell the run directory
+(the hooks could, from the flow run's config, but do not: they delete after the attempt's
+own `finally` tried to). An attempt whose slice only they deleted is billed to its end
+(`tasks.ledger`), short of the node's time after it.
 """
 
 from __future__ import annotations
@@ -138,6 +145,9 @@ def reap(
     on_reaped: Callable[[str, str], None] | None = None,
 ) -> list[tuple[str, str]]:
     """Delete every orphaned slice of this project; returns (name, reason) pairs.
+
+    Nothing is written to the slice's run's `events.jsonl` (see the module docstring): the
+    reaper knows a slice's run id and root hash, not its run directory.
 
     A slice that cannot be looked at or deleted does not stop the others from being
     reaped: one slice the API refuses to delete would otherwise shield every slice listed

@@ -26,7 +26,8 @@ from prefect.tasks import exponential_backoff
 from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
-from tasks.own_slice import SliceNameTaken, delete_own_slice, foreign_slice, own_copy
+from tasks.own_slice import SliceNameTaken as SliceNameTaken  # raised by provision_slice
+from tasks.own_slice import clear_slice_name, delete_own_slice
 from tasks.plan import RunPlan, slice_labels, slice_log_path
 from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
@@ -111,11 +112,10 @@ def provision_slice(
     provider = _recalling_provider(config, plan)
     events = _events(plan, attempt)
     # A slice of this name left by a crashed orchestrator would block the create (or, in
-    # a zone this attempt does not use, be billed until its ttl). One of this name that
-    # a run under another storage root holds is not ours to delete: the create would.
-    if (other := foreign_slice(provider, plan)) is not None:
-        raise SliceNameTaken(f"{other}: wait for it to end, or choose another run_name")
-    provider.delete(plan.slice_name, where=own_copy(plan))
+    # a zone this attempt does not use, be billed until its ttl): deleted, and its bill
+    # recorded for the attempt that left it. One a run under another storage root holds
+    # is not ours to delete: SliceNameTaken.
+    clear_slice_name(provider, plan, attempt)
     spec = SliceSpec(
         name=plan.slice_name,
         labels=slice_labels(plan, attempt=attempt, ttl_s=config.slice.max_lifetime_s),
@@ -226,7 +226,7 @@ def _delete_after(provider, plan: RunPlan, events: EventLog, logger) -> None:
     the run loudly if it still cannot.
     """
     try:
-        deleted = delete_own_slice(provider, plan, logger)
+        deleted = delete_own_slice(provider, plan, logger, running=events.attempt)
     except Exception as exc:  # see the docstring
         logger.warning(
             "could not delete slice %s after the attempt (tried again): %s", plan.slice_name, exc

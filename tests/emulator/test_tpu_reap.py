@@ -100,6 +100,7 @@ def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
     from prefect import flow
 
     from tasks import training
+    from tasks.goodput import read_events
     from workloads.events import EventLog
 
     fake, host = fake_tpu
@@ -111,7 +112,11 @@ def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
     rerun = make_provider(host, zones=("us-east5-b",))
     monkeypatch.setattr(training, "_provider", lambda config, plan: rerun)
     plan = SimpleNamespace(
-        run_dir=str(tmp_path), run_name="r1", slice_name="tpupipe-r1", storage_root="gs://b/r"
+        run_dir=str(tmp_path),
+        run_name="r1",
+        slice_name="tpupipe-r1",
+        storage_root="gs://b/r",
+        flow_run_id="f2",
     )
 
     @flow
@@ -120,6 +125,9 @@ def test_a_rerun_in_another_zone_deletes_the_slice_an_earlier_attempt_left(
 
     assert teardown_of_the_rerun() is True
     assert fake.nodes == {}
+    # Attempt 1's node is billed until the rerun deleted it (its `attempt` label).
+    (left,) = [e for e in read_events(tmp_path / "events.jsonl") if e["attempt"] == 1][1:]
+    assert (left["event"], left["invocation"], left["state"]) == ("leftover_deleted", "f2", "READY")
     # A zone of another project is named for the user (the warning), not looked in.
     other = [{"project": "other-project", "zones": ["us-west4-a"]}]
     assert rerun.recall("tpupipe-r1", other) == ["other-project/us-west4-a"]

@@ -1,0 +1,159 @@
+"""An orchestrator that deletes a slice an earlier attempt left records it for that attempt.
+
+A `tpupipe run` SIGKILLed while its slice is READY leaves the node running (and billed);
+the rerun deletes it before it creates its own, or in its teardown when training had
+finished. That deletion was written nowhere, so the ledger billed the abandoned attempt
+only to its last event. Now `leftover_deleted` names the attempt from the slice's
+`attempt` label, and the ledger bills the attempt to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.slices import SliceSpec, SliceState, build_provider
+from tasks import training
+from tasks.goodput import compute_goodput, read_events
+from tasks.ledger import compute_ledger
+from tasks.plan import plan_run, slice_labels
+from tasks.pricing import price_for
+from tests.helpers import tiny_config
+from workloads.events import EventLog
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """A run `left` whose attempt 1 (flow run flow-a) recorded its request and READY slice
+    60 s ago and whose orchestrator was then killed: the slice still stands. Yields the
+    config, the rerun's plan (flow run flow-b) and the local provider."""
+    monkeypatch.setattr(training, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(training, "workload_command", lambda config_path: SLEEP)
+    config = tiny_config(tmp_path, "run_name=left")
+    killed = plan_run(config, "flow-a")
+    Path(killed.run_dir).mkdir(parents=True)
+    clock = iter([time.time() - 60, time.time() - 58]).__next__
+    events = EventLog(killed.run_dir, 1, source="orchestrator", invocation="flow-a", clock=clock)
+    events.emit("provision_requested")
+    events.emit("provision_ready")
+    provider = build_provider("local", killed.slices_root, config.slice)
+    provider.create(spec(killed, slice_labels(killed, attempt=1), tmp_path))
+    yield config, plan_run(config, "flow-b"), provider
+    provider.delete(killed.slice_name, grace_s=0)
+
+
+def spec(plan, labels: dict[str, str], tmp_path: Path) -> SliceSpec:
+    return SliceSpec(
+        name=plan.slice_name,
+        labels=labels,
+        devices=1,
+        command=SLEEP,
+        log_path=str(tmp_path / "slice.log"),
+    )
+
+
+def leftovers(plan) -> list[dict]:
+    return [e for e in read_events(f"{plan.run_dir}/events.jsonl") if "leftover" in e["event"]]
+
+
+def test_the_rerun_s_attempt_records_deleting_the_killed_attempt_s_slice(run):
+    config, plan, provider = run
+    training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+
+    events = read_events(f"{plan.run_dir}/events.jsonl")
+    (left,) = leftovers(plan)
+    assert left["event"] == "leftover_deleted"
+    assert (left["attempt"], left["source"], left["invocation"]) == (1, "orchestrator", "flow-b")
+    assert (left["name"], left["state"]) == (plan.slice_name, "READY")
+    # Written before the rerun's first request: it stays with attempt 1's invocation.
+    kinds = [(e["attempt"], e["event"]) for e in events]
+    assert kinds.index((1, "leftover_deleted")) < kinds.index((2, "provision_requested"))
+    # The new slice stands, labelled with the rerun's attempt.
+    (copy,) = provider.copies(plan.slice_name)
+    assert copy.state is SliceState.READY and copy.labels["attempt"] == "2"
+
+    # Attempt 1 is billed from its request to the deletion, not to its READY event (58 s
+    # before); the time between the invocations stays out of the wall time.
+    ledger = compute_ledger(events, price_for(config), tokens_per_step=1)
+    first = ledger.attempts[0]
+    assert (first.billed_from, first.billed_to) == (events[0]["time"], left["time"])
+    assert first.billed_s >= 60
+    assert compute_goodput(events) == compute_goodput([e for e in events if e is not left])
+
+
+def test_the_teardown_records_a_leftover_of_any_attempt(run):
+    config, plan, _provider = run
+    assert training.teardown_slice.fn(config, plan) is True
+    (left,) = leftovers(plan)
+    assert (left["attempt"], left["invocation"]) == (1, "flow-b")
+
+
+def test_an_attempt_deleting_its_own_slice_records_no_leftover(run, tmp_path):
+    _config, plan, provider = run
+    provider.delete(plan.slice_name, grace_s=0)
+    provider.create(spec(plan, slice_labels(plan, attempt=2), tmp_path))
+    events = training._events(plan, 2)
+    training._delete_after(provider, plan, events, logging.getLogger("test"))
+    assert leftovers(plan) == []
+    assert read_events(f"{plan.run_dir}/events.jsonl")[-1]["event"] == "deleted"
+
+
+def test_a_slice_without_an_attempt_label_is_deleted_and_billed_to_nobody(run, tmp_path):
+    # Made by an older version (or by hand): no attempt to bill it to.
+    config, plan, provider = run
+    provider.delete(plan.slice_name, grace_s=0)
+    provider.create(spec(plan, {"run-id": plan.run_id}, tmp_path))
+    assert training.teardown_slice.fn(config, plan) is True
+    assert provider.copies(plan.slice_name) == []
+    assert leftovers(plan) == []
+
+
+@pytest.mark.integration
+def test_a_rerun_of_a_finished_run_bills_the_slice_its_first_invocation_left(
+    tmp_path, prefect_harness, monkeypatch
+):
+    # The first invocation trains to the end but cannot delete its slice (its attempt's
+    # delete and the flow's teardown both refused, as an orchestrator killed after its
+    # attempt ended would leave it); the rerun finds training finished and deletes it.
+    import flows.pipeline as pipeline
+    from infra.metrics import DuckDBSink
+    from infra.slices import LocalSliceProvider, SliceError
+
+    real_delete = LocalSliceProvider.delete
+
+    def refuse(self, name, grace_s=5.0, where=None):
+        if not self.copies(name):  # the delete before the create finds nothing
+            return real_delete(self, name, grace_s, where=where)
+        raise SliceError(f"slice {name!r} could not be deleted: 503")
+
+    config = tiny_config(tmp_path, "run_name=finished")
+    monkeypatch.setattr(LocalSliceProvider, "delete", refuse)
+    with pytest.raises(SliceError):
+        pipeline.tpu_training_pipeline(config=config)
+    monkeypatch.setattr(LocalSliceProvider, "delete", real_delete)
+    plan = plan_run(config)
+    before = read_events(f"{plan.run_dir}/events.jsonl")
+    assert [e["event"] for e in before if e["event"] in ("attempt_ended", "deleted")] == [
+        "attempt_ended"
+    ]
+
+    run = pipeline.tpu_training_pipeline(config=config)
+
+    (left,) = leftovers(plan)
+    assert (left["attempt"], left["invocation"]) == (1, run.flow_run_id)
+    events = read_events(f"{plan.run_dir}/events.jsonl")
+    requested = next(e["time"] for e in events if e["event"] == "provision_requested")
+    chips = price_for(config).chips
+    assert run.chip_hours == pytest.approx(chips * (left["time"] - requested) / 3600)
+    # The rerun's goodput and wall time are the first invocation's: nothing was timed.
+    assert run.wall_s == pytest.approx(compute_goodput(before).wall_s)
+    assert run.goodput == pytest.approx(compute_goodput(before).goodput)
+    sink = DuckDBSink(str(tmp_path / "metrics.duckdb"))
+    ((hours,),) = sink.query("SELECT chip_hours FROM runs WHERE run_id = 'finished'")
+    assert hours == pytest.approx(run.chip_hours)
