@@ -53,6 +53,10 @@ def test_a_config_that_is_not_utf8_names_the_byte(tmp_path):
         ("train.weight_decay=1e300", r"train\.weight_decay: 1e\+300 is inf in float32"),
         ("train.grad_clip_norm=1e300", r"train\.grad_clip_norm: 1e\+300 is inf in float32"),
         ("train.grad_clip_norm=0", r"train\.grad_clip_norm: .*greater than 0"),
+        # 0 in float32 (flushed to zero below the smallest normal): the run never learned.
+        ("train.grad_clip_norm=1e-50", r"train\.grad_clip_norm: 1e-50 is 0 in float32"),
+        ("train.learning_rate=1e-39", r"train\.learning_rate: 1e-39 is 0 in float32"),
+        ("train.weight_decay=1e-45", r"train\.weight_decay: 1e-45 is 0 in float32"),
     ],
 )
 def test_values_the_device_cannot_hold_are_refused(tmp_path, setting, message):

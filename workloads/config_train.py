@@ -17,6 +17,10 @@ from workloads.config_types import StrictModel as _Strict
 MAX_STEPS = 2**31 - 1
 # Hyperparameters become float32 on the device: a larger value would be inf there.
 FLOAT32_MAX = 3.4028234663852886e38
+# The smallest normal float32: below it a value is subnormal, which XLA flushes to zero on
+# CPU and TPU. A positive learning rate or clip norm that small is 0 on the device, and the
+# run trained on, landing "completed" with parameters no step had moved.
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 class TrainConfig(_Strict):
@@ -80,6 +84,8 @@ class TrainConfig(_Strict):
     def _fits_float32(cls, value: float | None) -> float | None:
         if value is not None and value >= FLOAT32_MAX:
             raise ValueError(f"{value:g} is inf in float32: use a value below 3.4e38")
+        if value is not None and 0 < value < FLOAT32_TINY:
+            raise ValueError(f"{value:g} is 0 in float32: use 1.2e-38 or more")
         return value
 
 
