@@ -7,12 +7,11 @@ from functools import partial
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from tasks.plan import RunPlan
+from tasks.plan import RunPlan, run_events
 from tasks.watch import WatchStopped, stop_if_requested, stop_requested
 from workloads import checkpoint, config_file, evaluate, input
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.config_file import ConfigError
-from workloads.events import EventLog
 from workloads.rundir import CONFIG
 from workloads.sources import DatasetError
 
@@ -81,8 +80,7 @@ def _verify_final(config: PipelineConfig, plan: RunPlan) -> checkpoint.VerifiedC
 
     def recorded(step: int, reason: str) -> None:
         # No attempt's: the ledger counts no time for it, as for a workload run by hand.
-        log = EventLog(plan.run_dir, None, source="orchestrator", invocation=plan.flow_run_id)
-        log.emit("quarantined", step=step, reason=reason)
+        run_events(plan, None).emit("quarantined", step=step, reason=reason)
 
     return checkpoint.verify_checkpoint(
         plan.run_dir, config.train.steps, plan.config_hash, data_problem, recorded

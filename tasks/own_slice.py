@@ -17,8 +17,7 @@ import logging
 from infra.slices.base import LabelTest, SliceStatus
 from tasks.attempts import LEFTOVER_DELETED
 from tasks.goodput import MAX_ATTEMPT
-from tasks.plan import ROOT_LABEL, RunPlan, root_tag
-from workloads.events import EventLog
+from tasks.plan import ROOT_LABEL, RunPlan, root_tag, run_events
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +36,21 @@ def own_copy(plan: RunPlan) -> LabelTest:
 
 
 def _copies(provider, plan: RunPlan) -> list[SliceStatus]:
-    """Every copy of the run's slice name; none when they cannot be read (see
-    `foreign_slice`)."""
+    """Every copy of the run's slice name; none when they cannot be read: the delete that
+    follows then goes on as it did before the labels were read (it still deletes only the
+    copies it reads as this run's)."""
     try:
         return provider.copies(plan.slice_name)
-    except Exception as exc:  # see foreign_slice's docstring
+    except Exception as exc:  # see the docstring
         log.warning("slice %s: could not read its labels: %s", plan.slice_name, exc)
         return []
 
 
-def foreign_slice(provider, plan: RunPlan) -> str | None:
-    """What holds the run's slice name, when a run under another storage root does in any
-    place (zone); None when every copy is this run's or there is none. A copy labelled
-    before the `run-root` label existed is taken as this run's, as it was before; so are
-    copies that cannot be read, as the delete that follows goes on as it did before (it
-    still deletes only the copies it reads as this run's)."""
-    return _foreign(_copies(provider, plan), plan)
-
-
 def _foreign(copies: list[SliceStatus], plan: RunPlan) -> str | None:
+    """What holds the run's slice name among `copies`, when a run under another storage
+    root does in any place (zone); None when every copy is this run's or there is none. A
+    copy labelled before the `run-root` label existed is taken as this run's, as it was
+    before."""
     ours = own_copy(plan)
     theirs = next((c for c in copies if not ours(c.labels)), None)
     if theirs is None:
@@ -133,8 +128,7 @@ def _record_leftover(plan: RunPlan, attempt: int, state: str) -> None:
     write is logged, not raised: the slice is gone either way, and failing the attempt
     (or the teardown) over the ledger's note would cost more than the note is worth."""
     try:
-        events = EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
-        events.emit(LEFTOVER_DELETED, name=plan.slice_name, state=state)
+        run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state)
     except Exception as exc:  # see the docstring
         log.warning(
             "deleted slice %s left by attempt %d, but could not record it in %s: %s",

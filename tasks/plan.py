@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from workloads.config import PipelineConfig, WorkloadConfig, training_fields
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.data import same_records
+from workloads.events import EventLog
 from workloads.manifest import load_manifest
 from workloads.rundir import CONFIG, write_json_atomic
 from workloads.sources import DatasetError, SourceFile
@@ -39,6 +40,12 @@ class RunPlan(BaseModel):
     config_hash: str
     slice_name: str
     flow_run_id: str | None = None
+
+
+def run_events(plan: RunPlan, attempt: int | None) -> EventLog:
+    """The orchestrator's log of one attempt of `plan`'s run (None: of no attempt, which
+    the ledger counts no time for), stamped with its flow run (the invocation)."""
+    return EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
 
 
 def new_run_name(now: datetime | None = None, token: str | None = None) -> str:

@@ -110,12 +110,8 @@ def run_trial(trial: Trial, plan: SweepPlan, launch: Launcher, queue: TrialQueue
     """
     asked = time.time()
     with ExitStack() as chips:
-        try:
-            if not hold_chips(chips, plan.chip_limit, trial.chips, lambda: queue.closed):
-                return _never_ran(trial, NOT_STARTED, asked)
-        except Exception as exc:  # no admission (limit gone, API unreachable): never ran
-            return _never_ran(trial, crashed(exc), asked)
-        return _admitted(trial, plan, launch, asked, queue)
+        refused = _admit(chips, trial, plan, queue, asked)
+        return refused or _admitted(trial, plan, launch, asked, queue)
 
 
 @task(name="run-lane", cache_policy=NONE, task_run_name="lane-{lane}")
@@ -133,16 +129,25 @@ def run_lane(lane: int, queue: TrialQueue, plan: SweepPlan, launch: Launcher) ->
             if trial.chips != held:
                 held = 0
                 _release(chips, lane)
-                try:
-                    if not hold_chips(chips, plan.chip_limit, trial.chips, lambda: queue.closed):
-                        results.append(_never_ran(trial, NOT_STARTED, asked))
-                        continue
-                except Exception as exc:  # no admission (limit gone, API unreachable)
-                    results.append(_never_ran(trial, crashed(exc), asked))
+                if refused := _admit(chips, trial, plan, queue, asked):
+                    results.append(refused)
                     continue
                 held = trial.chips
             results.append(_admitted(trial, plan, launch, asked, queue))
     return results
+
+
+def _admit(
+    chips: ExitStack, trial: Trial, plan: SweepPlan, queue: TrialQueue, asked: float
+) -> TrialResult | None:
+    """Hold the trial's chips on `chips`; None once held, else the trial's result as one
+    that never ran: the sweep stopped while it waited, or no admission at all."""
+    try:
+        if hold_chips(chips, plan.chip_limit, trial.chips, lambda: queue.closed):
+            return None
+        return _never_ran(trial, NOT_STARTED, asked)
+    except Exception as exc:  # no admission (limit deleted since planning, API unreachable)
+        return _never_ran(trial, crashed(exc), asked)
 
 
 def _release(chips: ExitStack, lane: int) -> None:

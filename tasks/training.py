@@ -26,9 +26,8 @@ from prefect.tasks import exponential_backoff
 from infra.slices import ProvisioningError, SliceSpec, build_provider
 from tasks.attempts import next_attempt
 from tasks.goodput import read_events
-from tasks.own_slice import SliceNameTaken as SliceNameTaken  # raised by provision_slice
 from tasks.own_slice import clear_slice_name, delete_own_slice
-from tasks.plan import RunPlan, slice_labels, slice_log_path
+from tasks.plan import RunPlan, run_events, slice_labels, slice_log_path
 from tasks.pricing import attempt_pricing
 from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
@@ -77,11 +76,6 @@ def workload_command(config_path: str) -> list[str]:
     return [sys.executable, "-m", "workloads.train", "--config", config_path]
 
 
-def _events(plan: RunPlan, attempt: int) -> EventLog:
-    """The orchestrator's log of one attempt, stamped with its flow run (the invocation)."""
-    return EventLog(plan.run_dir, attempt, source="orchestrator", invocation=plan.flow_run_id)
-
-
 def budget_spent(retries: int) -> bool:
     """Whether the running task's try is its last: its error ends the run, so the message
     says which budget ran out instead of only what happened this time."""
@@ -110,7 +104,7 @@ def provision_slice(
 ) -> str:
     """Create the slice for this attempt with the workload as its job; returns its name."""
     provider = _recalling_provider(config, plan)
-    events = _events(plan, attempt)
+    events = run_events(plan, attempt)
     # A slice of this name left by a crashed orchestrator would block the create (or, in
     # a zone this attempt does not use, be billed until its ttl): deleted, and its bill
     # recorded for the attempt that left it. One a run under another storage root holds
@@ -153,7 +147,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
     # carries it: the orchestrator's, and the workload's through TPUPIPE_ATTEMPT.
     attempt = next_attempt(read_events(f"{plan.run_dir}/{EVENTS}"))
     logger = get_run_logger()
-    events = _events(plan, attempt)
+    events = run_events(plan, attempt)
     lease = new_lease()
     grant_lease(plan.run_dir, attempt, lease)  # any older attempt must stop writing now
     res = config.resilience

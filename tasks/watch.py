@@ -239,9 +239,8 @@ def _with_host_errors(
     """`error` (host 0's, or its log's last line) with this attempt's errors of the other
     hosts (`RunDir.host_failures`) that differ from it: only host 0 writes the heartbeat,
     and a host that failed alone (its input, its disk) says why in its own record."""
-    read = getattr(run_dir, "host_failures", None)  # a stand-in without one has none
     try:
-        records = read() if read else {}
+        records = run_dir.host_failures()
     except OSError:
         records = {}
     others = [

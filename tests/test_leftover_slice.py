@@ -20,7 +20,7 @@ from infra.slices import SliceSpec, SliceState, build_provider
 from tasks import training
 from tasks.goodput import compute_goodput, read_events
 from tasks.ledger import compute_ledger
-from tasks.plan import plan_run, slice_labels
+from tasks.plan import plan_run, run_events, slice_labels
 from tasks.pricing import price_for
 from tests.helpers import tiny_config
 from workloads.events import EventLog
@@ -98,7 +98,7 @@ def test_an_attempt_deleting_its_own_slice_records_no_leftover(run, tmp_path):
     _config, plan, provider = run
     provider.delete(plan.slice_name, grace_s=0)
     provider.create(spec(plan, slice_labels(plan, attempt=2), tmp_path))
-    events = training._events(plan, 2)
+    events = run_events(plan, 2)
     training._delete_after(provider, plan, events, logging.getLogger("test"))
     assert leftovers(plan) == []
     assert read_events(f"{plan.run_dir}/events.jsonl")[-1]["event"] == "deleted"

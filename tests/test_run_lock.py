@@ -115,7 +115,8 @@ def test_a_run_of_the_same_name_under_another_root_never_deletes_the_others_slic
 
     from infra.slices import SliceSpec, SliceState
     from tasks import training
-    from tasks.plan import slice_labels
+    from tasks.own_slice import SliceNameTaken
+    from tasks.plan import run_events, slice_labels
 
     monkeypatch.setattr(training, "get_run_logger", lambda: logging.getLogger("test"))
     first = tiny_config(tmp_path / "a", "run_name=nightly")
@@ -135,13 +136,13 @@ def test_a_run_of_the_same_name_under_another_root_never_deletes_the_others_slic
     provider.create(spec)
     try:
         with pytest.raises(
-            training.SliceNameTaken,
+            SliceNameTaken,
             match=r"slice 'tpupipe-nightly' \(READY\) belongs to a run of the same name under "
             r"another storage root .*choose another run_name",
         ):
             training.provision_slice.fn(second, ours, "config.json", 1, "lease")
         assert training.teardown_slice.fn(second, ours) is False
-        events = training._events(ours, 1)
+        events = run_events(ours, 1)
         training._delete_after(provider, ours, events, logging.getLogger("test"))
         assert provider.status(theirs.slice_name).state is SliceState.READY
 

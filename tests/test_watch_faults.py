@@ -16,6 +16,9 @@ class RunDirStub:
     def read_status(self) -> dict:
         return {}
 
+    def host_failures(self) -> dict:
+        return {}  # no host but 0 recorded a failure
+
 
 class Clock:
     def __init__(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from infra.slices.base import SliceError
 from tasks import teardown, training
+from tasks.own_slice import SliceNameTaken
 from tasks.plan import root_tag
 from tasks.teardown import reap
 from tests.emulator.test_tpu_provider import LABELS, make_provider, spec
@@ -93,7 +94,7 @@ def test_a_run_whose_name_another_root_holds_in_a_fallback_zone_creates_and_dele
     provider = make_provider(host, zones=ZONES)
     monkeypatch.setattr(training, "_provider", lambda config, plan: provider)
 
-    with pytest.raises(training.SliceNameTaken, match=f"run-root={LIVE['run-root']}"):
+    with pytest.raises(SliceNameTaken, match=f"run-root={LIVE['run-root']}"):
         training.provision_slice.fn(None, plan, "config.json", 2, "lease")
     assert sum(fake.creates.values()) == created
     assert _left(fake) == {ZONES[0]: "f-old", ZONES[1]: "f-live"}
