@@ -28,7 +28,7 @@ REFUSALS = (
     "workloads.sources.DatasetError",
     "tasks.run_lock.RunInUse",
     "tasks.run_owner.RunOwnerConflict",
-    "tasks.training.SliceNameTaken",
+    "tasks.own_slice.SliceNameTaken",
 )
 RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 

@@ -117,3 +117,17 @@ def test_the_cli_starts_without_importing_prefect():
     code = "import sys, flows.cli; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_refusal_logged_without_traceback_names_an_exception_class():
+    # Matched by name: SliceNameTaken moved from tasks.training to tasks.own_slice and its
+    # name here did not, so the refusal was logged with its traceback again.
+    import importlib
+
+    from tasks.logs import REFUSALS
+
+    for name in REFUSALS:
+        module, _, cls = name.rpartition(".")
+        found = getattr(importlib.import_module(module), cls, None)
+        assert isinstance(found, type) and issubclass(found, Exception), name
+        assert f"{found.__module__}.{found.__qualname__}" == name, name
