@@ -187,7 +187,7 @@ class SweepConfig(_Strict):
         # one" as the description says (and as PipelineConfig.run_name does), in the UI too.
         if value == "":
             return None
-        if value is not None and not _SWEEP_NAME.match(value):
+        if value is not None and not _SWEEP_NAME.fullmatch(value):
             raise ValueError(
                 f"sweep_name {value!r} must be 1-51 lowercase letters, digits or dashes, "
                 "starting with a letter or digit (its trials are <sweep_name>-tNN)"

@@ -102,3 +102,50 @@ def test_a_bad_workload_config_is_one_line_not_a_traceback(tmp_path):
     assert evaluate.returncode == 2
     assert evaluate.stderr.startswith(f"{missing}: cannot read the workload config")
     assert "Traceback" not in evaluate.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ('run_name="nightly\\n"', "run_name"),
+        ('slice.zone="us-west4-a\\n"', "slice.zone"),
+        ('slice.project="my-project\\n"', "slice.project"),
+        ('metrics.location="us-central1\\n"', "metrics.location"),
+        ('metrics.dataset="tpupipe\\n"', "metrics.dataset"),
+        ('cost.region="us-central1\\n"', "cost.region"),
+    ],
+)
+def test_a_name_with_a_trailing_newline_is_refused(tmp_path, setting, field):
+    # What a YAML block scalar (`run_name: |`) or a pasted value gives: `$` in a pattern
+    # matched before it, so `nightly\n` named the run directory, and the TPU node failed
+    # only at the API, after sharding.
+    with pytest.raises(ConfigError, match=rf"{field}"):
+        load_config(write(tmp_path, "seed: 0\n"), [setting])
+
+
+def test_a_run_name_from_a_yaml_block_scalar_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"run_name 'nightly\\n' must be"):
+        load_config(write(tmp_path, "run_name: |\n  nightly\n"))
+
+
+def _name_checks():
+    from infra.metrics.bigquery_sql import sql_literal
+    from infra.slices.base import validate_labels, validate_name
+    from tasks.sweep_space import SweepConfig
+
+    return {
+        "slice name": lambda: validate_name("tpupipe-nightly\n"),
+        "label value": lambda: validate_labels({"run-id": "nightly\n"}),
+        "label key": lambda: validate_labels({"run-id\n": "x"}),
+        # A newline in a SQL string literal failed the landing script, after training.
+        "landed run id": lambda: sql_literal("nightly\n"),
+        "sweep name": lambda: SweepConfig(sweep_name="lr\n"),
+    }
+
+
+@pytest.mark.parametrize(
+    "check", ["slice name", "label value", "label key", "landed run id", "sweep name"]
+)
+def test_names_checked_outside_the_config_refuse_a_trailing_newline_too(check):
+    with pytest.raises(ValueError, match=r"\\n"):
+        _name_checks()[check]()

@@ -55,6 +55,11 @@ from workloads.vocab import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-export
 _RUN_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
+def valid_run_name(value: str) -> bool:
+    """Whether `value` may name a run (`PipelineConfig.run_name`)."""
+    return bool(_RUN_NAME.fullmatch(value))
+
+
 class PipelineConfig(_Strict):
     """Everything one training run needs, validated before anything is provisioned."""
 
@@ -87,7 +92,7 @@ class PipelineConfig(_Strict):
     def _run_name_shape(cls, value: str | None) -> str | None:
         if value == "":
             return None  # as documented (and as the planner reads it): a new name is generated
-        if value is not None and not _RUN_NAME.match(value):
+        if value is not None and not valid_run_name(value):
             raise ValueError(
                 f"run_name {value!r} must be 1-63 lowercase letters, digits or dashes, "
                 "starting and ending with a letter or digit (it names the TPU node "

@@ -128,7 +128,7 @@ class MetricsConfig(_Strict):
     @classmethod
     def _location_shape(cls, value: str) -> str:
         # `mars` or a zone passed validation and failed only at landing, after training.
-        if value.upper() not in _BQ_MULTI_REGIONS and not REGION.match(value):
+        if value.upper() not in _BQ_MULTI_REGIONS and not REGION.fullmatch(value):
             raise ValueError(
                 f"metrics.location {value!r} is not a BigQuery location: US, EU or a "
                 "region such as us-central1 (not a zone)"
@@ -186,7 +186,7 @@ class CostConfig(_Strict):
     @field_validator("region")
     @classmethod
     def _region_shape(cls, value: str | None) -> str | None:
-        if value is not None and not REGION.match(value):
+        if value is not None and not REGION.fullmatch(value):
             raise ValueError(f"cost.region {value!r} is not a region name like us-central1")
         return value
 

@@ -42,8 +42,10 @@ MIN_LIFETIME_S = 600.0
 def _zone(value: str) -> str:
     # A field validator (not the model's), so an error names the field and its own line,
     # e.g. `slice.fallback_zones.1`, not the `slice:` line.
-    if not _ZONE.match(value):
-        hint = f" (a region? add the zone's letter, e.g. {value}-a)" if REGION.match(value) else ""
+    if not _ZONE.fullmatch(value):
+        hint = (
+            f" (a region? add the zone's letter, e.g. {value}-a)" if REGION.fullmatch(value) else ""
+        )
         raise ValueError(f"{value!r} is not a zone name like us-west4-a{hint}")
     return value
 
@@ -58,7 +60,7 @@ def tpu_topology(accelerator_type: str) -> tuple[int, int]:
     Raises:
         ValueError: for an unknown family or a size that family does not come in.
     """
-    match = _ACCELERATOR.match(accelerator_type)
+    match = _ACCELERATOR.fullmatch(accelerator_type)
     if not match:
         families = ", ".join(f"{f}-N" for f in _TPU_FAMILIES)
         raise ValueError(f"slice.accelerator_type {accelerator_type!r} is not one of {families}")

@@ -90,7 +90,7 @@ def _project_id(value: str | None) -> str | None:
         return None
     if not value.strip():
         raise ValueError("is empty: leave it out to use the credentials' project")
-    if not _PROJECT_ID.match(value):
+    if not _PROJECT_ID.fullmatch(value):
         raise ValueError(
             f"{value!r} is neither a project id (6-30 lowercase letters, digits and "
             "hyphens, starting with a letter, e.g. my-project-123) nor a project number"

@@ -119,7 +119,7 @@ def sql_literal(run_id: str) -> str:
     Raises:
         ValueError: the run id holds other characters.
     """
-    if not _SAFE_RUN_ID.match(run_id):
+    if not _SAFE_RUN_ID.fullmatch(run_id):
         raise ValueError(f"run id {run_id!r} must match {_SAFE_RUN_ID.pattern} to be landed")
     return f"'{run_id}'"
 

@@ -71,7 +71,7 @@ def validate_name(name: str) -> str:
             not ending in a dash. The local provider also relies on this to keep names
             from escaping its registry directory.
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
             f"slice name {name!r} must be 1-63 characters of [a-z0-9-], starting with a "
             "letter and not ending in a dash"
@@ -93,9 +93,9 @@ def validate_labels(labels: Mapping[str, str]) -> dict[str, str]:
     """
     out: dict[str, str] = {}
     for key, value in labels.items():
-        if not isinstance(key, str) or not _LABEL_KEY_RE.match(key):
+        if not isinstance(key, str) or not _LABEL_KEY_RE.fullmatch(key):
             raise ValueError(f"label key {key!r} must match {_LABEL_KEY_RE.pattern}")
-        if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
+        if not isinstance(value, str) or not _LABEL_VALUE_RE.fullmatch(value):
             raise ValueError(f"label {key}={value!r}: value must match {_LABEL_VALUE_RE.pattern}")
         out[key] = value
     return out
