@@ -6,7 +6,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
+from prefect.runtime import flow_run
 
+from tasks.own_slice import record_teardown_delete
 from tasks.teardown import provider_for, reap
 from workloads.config import PipelineConfig
 
@@ -22,12 +24,15 @@ def _flow_run_state(flow_run_id: str) -> str | None:
 
 @task(name="reap-slices", cache_policy=NONE)
 def reap_slices(config: PipelineConfig) -> list[tuple[str, str]]:
-    """Delete this project's orphaned slices on the config's provider."""
+    """Delete this project's orphaned slices on the config's provider, recording each
+    deletion in its run's ledger when the run is under the config's storage root."""
     logger = get_run_logger()
+    invocation = flow_run.get_id()
     return reap(
         provider_for(config),
         _flow_run_state,
         on_reaped=lambda name, reason: logger.warning("reaped slice %s: %s", name, reason),
+        on_deleted=lambda status: record_teardown_delete(config, status, invocation),
     )
 
 

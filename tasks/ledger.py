@@ -14,14 +14,15 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
 - It ends when the attempt deleted its slice (`deleted`), so teardown lag is billed. A
   slice the attempt left standing (its orchestrator was killed, or its delete failed) is
   billed until a later orchestrator deleted it: a rerun's delete before it creates its
-  slice, the next attempt's, or the flow's teardown (of a finished run too) records
-  `leftover_deleted` with the attempt's number, read from the slice's `attempt` label, and
-  the window ends there, past `attempt_ended` (the node ran on after the attempt ended);
-  the later of the two when an attempt has both. An attempt with neither (its slice was
-  already gone, or the reaper deleted it: it knows a slice's run id and root hash, not its
-  run directory, so it records nothing; or the slice has no `attempt` label, made by an
-  older version) is billed to its end (`attempt_ended`, else its last event), and errs
-  low by the node's time after that.
+  slice, the next attempt's, the flow's teardown (of a finished run too), its crash and
+  cancellation hooks, or the reaper (`tasks.teardown`) records `leftover_deleted` with the
+  attempt's number, read from the slice's `attempt` label, and the window ends there, past
+  `attempt_ended` (the node ran on after the attempt ended); the later of the two when an
+  attempt has both. An attempt with neither (its slice was already gone; the reaper, with
+  another storage root than the run's, deleted it: it knows a slice's run id and root
+  hash, so it finds only the run directories under its own root; or the slice has no
+  `attempt` label, made by an older version) is billed to its end (`attempt_ended`, else
+  its last event), and errs low by the node's time after that.
 - Failed creates and the back-off between them bill nothing: no node existed.
 
 Chips and price are the attempt's own: it records them when it asks for its slice

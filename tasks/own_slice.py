@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import logging
 
+from etils import epath
+
 from infra.slices.base import LabelTest, SliceStatus
 from tasks.attempts import LEFTOVER_DELETED
 from tasks.goodput import MAX_ATTEMPT
-from tasks.plan import ROOT_LABEL, RunPlan, root_tag, run_events
+from tasks.plan import ROOT_LABEL, RunPlan, plan_run, root_tag, run_events
+from workloads.config import PipelineConfig, valid_run_name
+from workloads.events import EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,37 @@ def _delete_recording(
     return deleted
 
 
+def record_teardown_delete(
+    config: PipelineConfig, status: SliceStatus, invocation: str | None
+) -> bool:
+    """Record, in its run's ledger, that the reaper or a flow hook (`tasks.teardown`)
+    deleted `status`, a copy of some run's slice, as its attempt's leftover, billed until
+    now. True if recorded.
+
+    The labels name the run and the attempt, and a hash of the run's storage root, not the
+    root: only a run under `config`'s storage root (the reaper's or the flow run's) is
+    found, by its run directory's ledger. Nothing is recorded for a copy of another root,
+    one without an `attempt` label, or one whose run directory holds no ledger: the ledger
+    then bills that attempt to its end, as before. A failure to record is logged, never
+    raised: the slice is gone either way.
+    """
+    labels = status.labels
+    run_id, attempt = labels.get("run-id", ""), _attempt_of(labels)
+    if attempt is None or not valid_run_name(run_id):
+        return False
+    try:
+        plan = plan_run(config.model_copy(update={"run_name": run_id}), invocation)
+        # The name follows from the run id: a copy whose labels do not fit it is no run's.
+        if plan.slice_name != status.name or labels.get(ROOT_LABEL) != root_tag(plan):
+            return False
+        if not (epath.Path(plan.run_dir) / EVENTS).exists():
+            return False  # the run directory is gone, or lives on another machine
+    except Exception as exc:  # a storage root that cannot be read: see the docstring
+        log.warning("deleted slice %s, but could not find its run's ledger: %s", status.name, exc)
+        return False
+    return _record_leftover(plan, attempt, status.state.value)
+
+
 def _attempt_of(labels) -> int | None:
     """The attempt that made a copy, from its `attempt` label; None without one (a slice
     of an older version, or made by hand): its deletion is billed to nobody."""
@@ -123,12 +158,14 @@ def _attempt_of(labels) -> int | None:
     return int(value) if value.isdecimal() and 0 < int(value) < MAX_ATTEMPT else None
 
 
-def _record_leftover(plan: RunPlan, attempt: int, state: str) -> None:
-    """Append `leftover_deleted` for `attempt`, stamped with this invocation. A failed
-    write is logged, not raised: the slice is gone either way, and failing the attempt
-    (or the teardown) over the ledger's note would cost more than the note is worth."""
+def _record_leftover(plan: RunPlan, attempt: int, state: str) -> bool:
+    """Append `leftover_deleted` for `attempt`, stamped with this invocation; True if
+    written. A failed write is logged, not raised: the slice is gone either way, and
+    failing the attempt (or the teardown) over the ledger's note would cost more than the
+    note is worth."""
     try:
         run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state)
+        return True
     except Exception as exc:  # see the docstring
         log.warning(
             "deleted slice %s left by attempt %d, but could not record it in %s: %s",
@@ -137,3 +174,4 @@ def _record_leftover(plan: RunPlan, attempt: int, state: str) -> None:
             plan.run_dir,
             exc,
         )
+        return False

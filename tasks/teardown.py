@@ -9,11 +9,12 @@ created it no longer exists.
 A slice name can exist in several zones at once (runs of one run name under two storage
 roots), and `list` shows each copy: every decision deletes only the copy it was made on.
 
-Neither layer records its deletion in the run's `events.jsonl`, as a run's own deletes of
-a leftover do (`leftover_deleted`, `tasks.own_slice`): a slice's labels carry its run id
-and a hash of its storage root, not the root, so the reaper cannot tell the run directory
-(the hooks could, from the flow run's config, but do not: they delete after the attempt's
-own `finally` tried to). An attempt whose slice only they deleted is billed to its end
+Both record a deletion in the run's `events.jsonl` as its attempt's leftover, as a run's
+own deletes of a leftover do (`leftover_deleted`, `tasks.own_slice`), so the ledger bills
+the node until it was deleted. A slice's labels carry its run id and a hash of its
+storage root, not the root: the hooks find the run directory under the flow run's storage
+root, the reaper under its `config`'s. A slice of a run under another root (a reaper
+deployed with another config) is deleted all the same, and its attempt billed to its end
 (`tasks.ledger`), short of the node's time after it.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from infra.slices import PartialListError, build_provider
+from tasks.own_slice import record_teardown_delete
 from tasks.plan import MANAGED_BY, plan_run
 from workloads.config import PipelineConfig
 
@@ -68,18 +70,22 @@ def delete_flow_run_slices(flow, flow_run, state) -> None:
     Raises:
         TeardownError: some could not be deleted; every other one was.
     """
-    provider = provider_for(_config_of(flow_run.parameters))
+    config = _config_of(flow_run.parameters)
+    provider = provider_for(config)
     run_id = str(flow_run.id)
     listed, failed = listed_slices(provider, {"flow-run-id": run_id})
     for status in listed:
         try:
             # Only this flow run's copy: another run's slice of the same name (a run name
             # under another storage root) can stand in another zone.
-            provider.delete(status.name, where=lambda labels: labels.get("flow-run-id") == run_id)
+            where = same_labels(status.labels)
+            deleted = provider.delete(status.name, where=where)
         except Exception as e:  # the next slice must still go: the error is raised below
             failed.append((status.name, e))
             continue
         log.warning("flow run %s is %s: deleted slice %s", flow_run.id, state.type, status.name)
+        if deleted:
+            record_teardown_delete(config, status, run_id)
     if failed:
         raise TeardownError(failed)
 
@@ -143,11 +149,9 @@ def reap(
     flow_run_state: Callable[[str], str | None],
     now: float | None = None,
     on_reaped: Callable[[str, str], None] | None = None,
+    on_deleted: Callable[[Any], object] | None = None,
 ) -> list[tuple[str, str]]:
     """Delete every orphaned slice of this project; returns (name, reason) pairs.
-
-    Nothing is written to the slice's run's `events.jsonl` (see the module docstring): the
-    reaper knows a slice's run id and root hash, not its run directory.
 
     A slice that cannot be looked at or deleted does not stop the others from being
     reaped: one slice the API refuses to delete would otherwise shield every slice listed
@@ -155,6 +159,8 @@ def reap(
 
     Args:
         on_reaped: called with (name, reason) as each slice is deleted.
+        on_deleted: called with the `SliceStatus` (labels) of each copy this call deleted
+            (not one already gone), to record it in its run's ledger.
 
     Raises:
         TeardownError: some orphans could not be deleted; its `reaped` lists the others.
@@ -170,10 +176,13 @@ def reap(
             reason = orphan_reason(
                 status.labels, state, now, owner_gone(status.name) if owner_gone else None
             )
-            if reason:
-                # Only the copy judged: the name can stand in another zone too, another
-                # run's slice (a run name under another storage root) whose owner lives.
-                provider.delete(status.name, where=same_labels(status.labels))
+            # Only the copy judged: the name can stand in another zone too, another run's
+            # slice (a run name under another storage root) whose owner lives.
+            deleted = bool(reason) and provider.delete(
+                status.name, where=same_labels(status.labels)
+            )
+            if deleted and on_deleted:
+                on_deleted(status)
         except Exception as e:
             failed.append((status.name, e))
             continue

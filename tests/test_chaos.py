@@ -201,6 +201,10 @@ def _kill_the_orchestrator_then_reap(orchestrator: subprocess.Popen, tmp_path: P
         assert time.monotonic() < deadline, "slice processes survived the reaper"
         time.sleep(0.1)
     assert reap_orphans(config=config) == []  # idempotent
+    # The deletion is the killed attempt's, billed until then, and recorded once.
+    events = read_events(str(tmp_path / "runs" / "orphan" / "events.jsonl"))
+    (left,) = [e for e in events if e["event"] == "leftover_deleted"]
+    assert (left["attempt"], left["name"], left["state"]) == (1, "tpupipe-orphan", "READY")
 
 
 def _api_servers(pid: int) -> list[int]:

@@ -10,14 +10,16 @@ only to its last event. Now `leftover_deleted` names the attempt from the slice'
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from infra.slices import SliceSpec, SliceState, build_provider
-from tasks import training
+from tasks import teardown, training
 from tasks.goodput import compute_goodput, read_events
 from tasks.ledger import compute_ledger
 from tasks.plan import plan_run, run_events, slice_labels
@@ -112,6 +114,61 @@ def test_a_slice_without_an_attempt_label_is_deleted_and_billed_to_nobody(run, t
     assert training.teardown_slice.fn(config, plan) is True
     assert provider.copies(plan.slice_name) == []
     assert leftovers(plan) == []
+
+
+def test_the_reaper_records_deleting_a_killed_run_s_slice_and_bills_it(run):
+    # The run's orchestrator was SIGKILLed and no rerun came: the reaper deleted its slice,
+    # which the ledger billed only to the attempt's last event, short of the node's time.
+    config, plan, provider = run
+    reaped = teardown.reap(
+        provider,
+        lambda flow_run_id: "CRASHED",
+        on_deleted=lambda status: teardown.record_teardown_delete(config, status, "reaper"),
+    )
+    assert reaped == [(plan.slice_name, "its flow run is CRASHED")]
+    (left,) = leftovers(plan)
+    assert (left["attempt"], left["invocation"], left["state"]) == (1, "reaper", "READY")
+    events = read_events(f"{plan.run_dir}/events.jsonl")
+    first = compute_ledger(events, price_for(config), tokens_per_step=1).attempts[0]
+    assert (first.billed_from, first.billed_to) == (events[0]["time"], left["time"])
+
+
+def test_the_crash_hook_records_deleting_its_flow_run_s_slice(run):
+    config, plan, provider = run
+    flow_run = SimpleNamespace(id="flow-a", parameters={"config": config.model_dump()})
+    teardown.delete_flow_run_slices(None, flow_run, SimpleNamespace(type="CRASHED"))
+    assert provider.copies(plan.slice_name) == []
+    (left,) = leftovers(plan)
+    assert (left["attempt"], left["invocation"]) == (1, "flow-a")
+
+
+def test_the_reaper_records_nothing_for_a_run_under_another_root(run, tmp_path):
+    # Its labels hash another storage root: the run directory is not the one found here,
+    # whatever its name; the slice is deleted all the same.
+    _config, plan, provider = run
+    other = tiny_config(tmp_path / "elsewhere", "run_name=left")
+    Path(plan_run(other).run_dir).mkdir(parents=True)
+    Path(plan_run(other).run_dir, "events.jsonl").write_text("")
+    deleted = []
+    teardown.reap(
+        provider,
+        lambda flow_run_id: "FAILED",
+        on_deleted=lambda s: deleted.append(teardown.record_teardown_delete(other, s, "r")),
+    )
+    assert deleted == [False] and provider.copies(plan.slice_name) == []
+    assert leftovers(plan) == [] and leftovers(plan_run(other)) == []
+
+
+def test_the_reaper_makes_no_run_directory_for_a_slice_whose_run_is_gone(run):
+    config, plan, provider = run
+    shutil.rmtree(plan.run_dir)
+    recorded = []
+    teardown.reap(
+        provider,
+        lambda flow_run_id: "COMPLETED",
+        on_deleted=lambda s: recorded.append(teardown.record_teardown_delete(config, s, "r")),
+    )
+    assert recorded == [False] and not Path(plan.run_dir).exists()
 
 
 @pytest.mark.integration
