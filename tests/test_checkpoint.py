@@ -474,3 +474,17 @@ def test_hosts_agree_to_stop_when_any_host_could_not_read_for_no_fault_of_the_ch
     assert ckpt_restore._agreed_problem(None) == "does not restore on host 1: ValueError: cut"
     hosts_say("")
     assert ckpt_restore._agreed_problem(None) is None
+
+
+def test_restore_params_reads_the_checked_parameters_alone_and_moves_nothing(tmp_path, state):
+    save(tmp_path, 10, state.arrays)
+    params = checkpoint.restore_params(str(tmp_path), 10, "h1")
+    sha, count = checkpoint.params_sha256(params)
+    verified = checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert (sha, count) == (verified.params_sha256, verified.num_params)
+    # Another config's step is refused by name, and left where it is (only the pipeline's
+    # verification quarantines).
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints/10: written by config h1"):
+        checkpoint.restore_params(str(tmp_path), 10, "h2")
+    assert checkpoint.committed_steps(str(tmp_path)) == [10]
+    assert not (tmp_path / "quarantine").exists()

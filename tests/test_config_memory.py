@@ -298,3 +298,18 @@ def test_an_eval_batch_this_host_cannot_hold_stops_the_run_before_provisioning(
     run_dir = tmp_path / "runs" / "evalmem"
     assert not (run_dir / "events.jsonl").exists()  # no attempt: nothing was provisioned
     assert not (run_dir / "config.json").exists()
+
+
+def test_a_final_checkpoint_this_host_cannot_verify_is_named(tmp_path):
+    # The orchestrator restores the whole training state to verify the final checkpoint:
+    # a host holding the parameters (and an eval batch) but not AdamW's moments ran out
+    # of memory after the whole run had trained.
+    config = tiny_config(tmp_path, "model.d_model=512", "model.d_ff=2048", "eval.batch_size=1")
+    params = config_memory.param_count(config.model, 257) * 4
+    host = 2 * params
+    problem = config_memory.eval_memory_problem(config, 100, 257, host)
+    assert problem.startswith("model: the training state of this model (float32 parameters and ")
+    assert problem.endswith(
+        "run the orchestrator on a host with more memory, or use a smaller model"
+    )
+    assert config_memory.eval_memory_problem(config, 100, 257, 3 * params + MIB) is None

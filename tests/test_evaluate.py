@@ -15,10 +15,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> WorkloadRun:
-    """A finished tiny float32 run (trained on a (2, 2, 2) mesh), checkpoint at step 4."""
+    """A finished tiny float32 run (trained on a (2, 2, 2) mesh), checkpoint at step 4,
+    not evaluated yet (no eval.json)."""
     run = WorkloadRun(
         tmp_path_factory.mktemp("eval"),
         "model.dtype=float32",
+        # Wide enough for the MLP kernel's bytes to be stored as they are (bit rot test).
+        "model.d_model=128",
+        "model.d_ff=512",
         "train.steps=4",
         "train.warmup_steps=1",
         # Not a multiple of 2 or 8 devices: the batches must not shrink to fit them.
@@ -55,3 +59,60 @@ def test_an_evaluation_told_to_stop_stops_before_its_next_batch(trained):
 
     with pytest.raises(EvaluationStopped, match=r"^stopped after 2 eval batches$"):
         evaluate(load_workload_config(trained.config_path), 4, stop=stop)
+
+
+def _copy_of(trained, tmp_path, **changes) -> str:
+    """A copy of the trained run's directory, its config.json pointing at the copy (and
+    changed as given); returns the config path."""
+    import json
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained.run_dir, run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    config.update(run_dir=str(run_dir), **changes)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    return str(run_dir / "config.json")
+
+
+def test_the_cli_refuses_a_checkpoint_whose_parameters_changed_in_one_line(
+    trained, tmp_path, capsys
+):
+    # Bit rot in a parameter: the pipeline's verification refused the step, and this
+    # command printed (and wrote to eval.json) the loss of the altered model.
+    from tests.test_checkpoint import flip_low_bit
+    from workloads import checkpoint
+
+    config_path = _copy_of(trained, tmp_path)
+    state, _ = checkpoint.restore_on_host(str(trained.run_dir), 4)
+    needle = np.asarray(state["model"]["blocks"]["0"]["up"]["kernel"]).reshape(-1)[:4].astype("<f4")
+    flip_low_bit(tmp_path / "run" / "checkpoints" / "4" / "state", needle.tobytes())
+
+    assert main(["--config", config_path]) == 1
+    err = capsys.readouterr().err
+    assert "up/kernel does not match the checksum saved with it" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run" / "eval.json").exists()
+    assert (tmp_path / "run" / "checkpoints" / "4").is_dir()  # nothing quarantined here
+
+
+def test_the_cli_names_a_dataset_that_is_gone_in_one_line(trained, tmp_path, capsys):
+    config_path = _copy_of(trained, tmp_path, dataset_dir=str(tmp_path / "gone"))
+    assert main(["--config", config_path]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "gone") in err and len(err.splitlines()) == 1
+
+
+def test_the_cli_leaves_a_newer_step_s_evaluation_in_eval_json(trained, tmp_path, capsys):
+    import json
+
+    config_path = _copy_of(trained, tmp_path)
+    eval_json = tmp_path / "run" / "eval.json"
+    newer = {"step": 9, "loss": 1.0, "bits_per_byte": 1.0, "tokens": 32, "batches": 1}
+    eval_json.write_text(json.dumps(newer))
+    assert main(["--config", config_path, "--step", "4"]) == 0
+    assert json.loads(eval_json.read_text()) == newer
+    assert "eval.json left as it is: it holds the newer step 9" in capsys.readouterr().err
+    eval_json.unlink()  # none yet: this evaluation is the run's
+    assert main(["--config", config_path]) == 0
+    assert json.loads(eval_json.read_text())["step"] == 4

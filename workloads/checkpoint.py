@@ -184,3 +184,29 @@ def verify_checkpoint(
     return VerifiedCheckpoint(
         step, meta["config_hash"], sha, count, len(jax.tree_util.tree_leaves(state))
     )
+
+
+def restore_params(run_dir: str, step: int, config_hash: str) -> dict:
+    """Checkpoint `step`'s model parameters on one host device, checked as far as they
+    go: the step's config, the step recorded inside, finite values and the parameters'
+    saved checksums. The optimizer state is not read: evaluating needs none of it, and
+    AdamW's is twice the parameters' bytes. Nothing is quarantined (only the pipeline's
+    `verify_checkpoint` moves a step aside).
+
+    Raises:
+        CheckpointError: naming the step's directory and what is wrong with it.
+        CheckpointUnreadable: it could not be read for a reason that is no damage to it.
+    """
+    where = checkpoint_dir(run_dir) / str(step)
+    try:
+        state, meta = restore_on_host(run_dir, step, only="model")
+        if (saved := meta.get("checksums")) is not None:
+            meta = {**meta, "checksums": {p: c for p, c in saved.items() if p.startswith("model/")}}
+        problem = state_problem(state, meta, config_hash, step)
+    except Exception as exc:
+        if says_nothing_of_the_checkpoint(exc):
+            raise unreadable(str(where), exc) from exc
+        problem = restore_error(exc)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {where}: {problem}")
+    return state["model"]

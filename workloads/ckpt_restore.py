@@ -210,10 +210,13 @@ def _agreed_problem(problem: str | None) -> str | None:
     return problem
 
 
-def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
-    """Restore onto the shapes, dtypes and shardings of an abstract tree."""
+def _restore_args(abstract: Any, partial: bool = False) -> ocp.args.PyTreeRestore:
+    """Restore onto the shapes, dtypes and shardings of an abstract tree (with `partial`,
+    a part of the saved tree: the rest is never read)."""
     return ocp.args.PyTreeRestore(
-        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=partial,
     )
 
 
@@ -225,13 +228,17 @@ def pure_dicts(arrays: dict) -> dict:
 
 
 def restore_on_host(
-    run_dir: str, step: int, with_data: bool = False
+    run_dir: str, step: int, with_data: bool = False, only: str | None = None
 ) -> tuple[dict, dict] | tuple[dict, dict, dict | None]:
     """Restore a step's `state` onto one host CPU device (any mesh wrote it) and its meta;
-    with `with_data`, its data-iterator state too (None if the step has none)."""
+    with `with_data`, its data-iterator state too (None if the step has none); with
+    `only`, that item of the state alone (`"model"`: AdamW's moments, twice the
+    parameters' bytes, are never read)."""
     mngr = make_manager(run_dir, read_only=True)
     try:
         metadata = mngr.item_metadata(step)["state"]
+        if only is not None:
+            metadata = {only: metadata[only]}
         # One host device holds everything: valid whatever topology wrote the checkpoint.
         host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         abstract = jax.tree.map(
@@ -239,7 +246,7 @@ def restore_on_host(
             metadata,
             is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"),
         )
-        items = {"state": _restore_args(abstract), "meta": ocp.args.JsonRestore()}
+        items = {"state": _restore_args(abstract, only is not None), "meta": ocp.args.JsonRestore()}
         has_data = (epath.Path(mngr.directory) / str(step) / "data_iter").exists()
         if with_data and has_data:
             items["data_iter"] = ocp.args.JsonRestore()

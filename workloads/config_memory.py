@@ -141,13 +141,15 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
 def eval_memory_problem(
     cfg: PipelineConfig, eval_records: int, vocab_size: int, host_bytes: int | None
 ) -> str | None:
-    """Evaluating one batch does not fit this host: the message naming `eval.batch_size`.
+    """The checks after training do not fit this host: the message naming the field.
 
-    Evaluation runs in the orchestrator, on one device (tasks/checks.py), after training:
-    an `eval.batch_size` of 10**12 passed validation, trained the whole run and then failed
-    allocating 7.28 TiB. A batch holds min(eval.batch_size, the split's records) rows
-    (`workloads.input.eval_batches`); counted are its float32 logits and the parameters,
-    a lower bound, as for training.
+    They run in the orchestrator, on one device (tasks/checks.py), after training: an
+    `eval.batch_size` of 10**12 passed validation, trained the whole run and then failed
+    allocating 7.28 TiB. Verifying the final checkpoint restores the whole training state
+    (the parameters and AdamW's two moments); evaluating restores the parameters alone
+    and runs batches of min(eval.batch_size, the split's records) rows
+    (`workloads.input.eval_batches`), whose float32 logits are counted with the
+    parameters. Both are lower bounds, as for training.
 
     Args:
         cfg: a validated config.
@@ -161,6 +163,14 @@ def eval_memory_problem(
     vocab = padded_vocab_size(vocab_size)
     logits = rows * cfg.dataset.seq_len * vocab * 4
     params = param_count(cfg.model, vocab_size) * _BYTES[cfg.model.param_dtype]
+    if (state := 3 * params) > host_bytes:
+        return (
+            f"model: the training state of this model ({cfg.model.param_dtype} parameters "
+            f"and AdamW's two moments) takes {_gib(state)}, more than this host's "
+            f"{_gib(host_bytes)} of memory, where the orchestrator restores the final "
+            "checkpoint to verify it after training: run the orchestrator on a host with "
+            "more memory, or use a smaller model"
+        )
     if logits + params <= host_bytes:
         return None
     return (

@@ -25,7 +25,8 @@ from workloads.config import MeshConfig, WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config
 from workloads.eval_bytes import ScoredBytes
 from workloads.model import Transformer, token_losses
-from workloads.rundir import EVAL, write_json_atomic
+from workloads.rundir import EVAL, read_json, write_json_atomic
+from workloads.sources import DatasetError
 from workloads.trainer import BATCH_KEYS, batch_sharding, make_mesh
 
 
@@ -48,18 +49,23 @@ def load_model(wcfg: WorkloadConfig, step: int, mesh) -> Transformer:
     """Rebuild the model from a checkpoint's parameters, without a random init first.
 
     The parameters are replicated on every device of `mesh` (an evaluation mesh splits
-    only the batch), whatever mesh wrote them.
+    only the batch), whatever mesh wrote them, once checked (`checkpoint.restore_params`:
+    a step whose bytes changed after the save gave a loss, where the pipeline refused it).
+
+    Raises:
+        CheckpointError: the step is damaged, non-finite or of another config.
+        CheckpointUnreadable: it could not be read (no permission, storage unavailable).
     """
     info = input.dataset_info(wcfg.dataset_dir)
-    state, _ = checkpoint.restore_on_host(wcfg.run_dir, step)
+    params = checkpoint.restore_params(wcfg.run_dir, step, wcfg.config_hash)
     with jax.set_mesh(mesh):
         abstract = nnx.eval_shape(
             lambda: Transformer(wcfg.pipeline.model, info.vocab_size, rngs=nnx.Rngs(0))
         )
-        graphdef, params = nnx.split(abstract)
+        graphdef, state = nnx.split(abstract)
         replicated = NamedSharding(mesh, P())
-        nnx.replace_by_pure_dict(params, jax.device_put(state["model"], replicated))
-        return nnx.merge(graphdef, params)
+        nnx.replace_by_pure_dict(state, jax.device_put(params, replicated))
+        return nnx.merge(graphdef, state)
 
 
 def evaluate(
@@ -156,9 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         listed = ", ".join(map(str, steps))
         print(f"no committed checkpoint step {step} in {where} (steps: {listed})", file=sys.stderr)
         return 1
-    result = evaluate(wcfg, step)
-    write_result(wcfg.run_dir, result)
+    try:
+        result = evaluate(wcfg, step)
+    except (checkpoint.CheckpointError, checkpoint.CheckpointUnreadable, DatasetError) as exc:
+        print(exc, file=sys.stderr)  # one line: what a traceback buried in orbax's frames
+        return 1
     print(result)
+    # eval.json is the run's evaluation of its newest step, which `tpupipe report` and
+    # the landing read: an older step's figures are printed, not written over it.
+    held = read_json(epath.Path(wcfg.run_dir) / EVAL, unreadable_as_missing=True) or {}
+    if isinstance(held.get("step"), int) and held["step"] > step:
+        print(f"{EVAL} left as it is: it holds the newer step {held['step']}", file=sys.stderr)
+    else:
+        write_result(wcfg.run_dir, result)
     return 0
 
 
