@@ -16,13 +16,17 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
   billed until a later orchestrator deleted it: a rerun's delete before it creates its
   slice, the next attempt's, the flow's teardown (of a finished run too), its crash and
   cancellation hooks, or the reaper (`tasks.teardown`) records `leftover_deleted` with the
-  attempt's number, read from the slice's `attempt` label, and the window ends there, past
-  `attempt_ended` (the node ran on after the attempt ended); the later of the two when an
-  attempt has both. An attempt with neither (its slice was already gone; the reaper, with
-  another storage root than the run's, deleted it: it knows a slice's run id and root
-  hash, so it finds only the run directories under its own root; or the slice has no
-  `attempt` label, made by an older version) is billed to its end (`attempt_ended`, else
-  its last event), and errs low by the node's time after that.
+  attempt's number, read from the slice's `attempt` label, and the slice's state; when that
+  was READY or CREATING the window ends there, past `attempt_ended` (the node ran on after
+  the attempt ended); the later of the two when an attempt has both. A copy found
+  PREEMPTED or TERMINATED (on gcp a stopped node; locally, processes that had ended) was
+  billed no more since a time nobody saw: its window ends with the attempt, and errs low
+  by any time the node stayed READY after it. An attempt with neither (its slice was
+  already gone; the reaper, with another storage root than the run's, deleted it: it
+  knows a slice's run id and root hash, so it finds only the run directories under its
+  own root; or the slice has no `attempt` label, made by an older version) is billed to
+  its end (`attempt_ended`, else its last event), and errs low by the node's time after
+  that.
 - Failed creates and the back-off between them bill nothing: no node existed.
 
 Chips and price are the attempt's own: it records them when it asks for its slice
@@ -118,11 +122,27 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
             if e["event"] == "provision_requested" and e["time"] <= ready[-1]
         ]
         start = requests[-1] if requests else ready[-1]
-    kinds = {e["event"]: e["time"] for e in events}  # the last of each kind
+    # The last of each kind; a leftover found no longer READY had stopped billing before
+    # its deletion (see the module docstring).
+    kinds = {e["event"]: e["time"] for e in events if _billed_until(e)}
     # The later deletion: a copy left after the attempt's own delete ran on until then.
     deletions = [kinds[k] for k in ("deleted", LEFTOVER_DELETED) if k in kinds]
     end = max(deletions, default=kinds.get("attempt_ended", timed(events)[-1]["time"]))
     return start, max(end, start)
+
+
+# States of a left copy that Google bills until its deletion: a node being created or
+# READY (the state of a local slice's live processes too). A PREEMPTED or TERMINATED one
+# was not billed at its deletion, nor a local slice whose processes had ended.
+BILLED_LEFTOVER_STATES = frozenset({"READY", "CREATING"})
+
+
+def _billed_until(event: dict) -> bool:
+    """Whether an event can end its attempt's billing window: any but a `leftover_deleted`
+    of a copy no longer billed (one without a state, from before it was recorded, can)."""
+    if event["event"] != LEFTOVER_DELETED:
+        return True
+    return event.get("state", "READY") in BILLED_LEFTOVER_STATES
 
 
 def compute_ledger(

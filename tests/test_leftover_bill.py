@@ -87,3 +87,20 @@ def test_an_attempt_s_own_delete_and_a_later_leftover_bill_to_the_later():
     assert billing_window(events, "on-demand") == (0, 999.5)
     # Without a leftover, the attempt's own delete ends the window, as before.
     assert billing_window(events[:-1], "on-demand") == (0, 16)
+
+
+@pytest.mark.parametrize("state", ["TERMINATED", "PREEMPTED"])
+def test_a_left_slice_found_no_longer_ready_is_billed_to_its_attempt_s_end(state):
+    # Its processes had ended (local) or Google had stopped or preempted the node: it was
+    # not billed until the rerun deleted it, days later maybe (the probe's idle 2 minutes
+    # billed an attempt of 49.5 s for 195.8 s).
+    events = [*killed(True), {**LEFT, "state": state}, *rerun()]
+    first, second = compute_ledger(events, PRICE, tokens_per_step=512).attempts
+    assert (first.billed_from, first.billed_to) == (0, 15)  # its attempt_ended
+    assert (second.billed_from, second.billed_to) == (1000, 1016)
+    abandoned = [*killed(False), {**LEFT, "state": state}, *rerun()]
+    assert compute_ledger(abandoned, PRICE, tokens_per_step=512).attempts[0].billed_to == 14
+    # One recorded before the state was (no `state`) still bills to the deletion.
+    old = {k: v for k, v in LEFT.items() if k != "state"}
+    events = [*killed(True), old, *rerun()]
+    assert compute_ledger(events, PRICE, tokens_per_step=512).attempts[0].billed_to == 999.5
