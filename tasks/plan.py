@@ -13,13 +13,10 @@ from datetime import UTC, datetime
 from etils import epath
 from pydantic import BaseModel, Field
 
-from workloads.config import PipelineConfig, WorkloadConfig, training_fields
-from workloads.config_file import ConfigError, load_workload_config
-from workloads.data import same_records
+from workloads.config import PipelineConfig, WorkloadConfig
+from workloads.config_file import ConfigError
 from workloads.events import EventLog
-from workloads.manifest import load_manifest
 from workloads.rundir import CONFIG, write_json_atomic
-from workloads.sources import DatasetError, SourceFile
 
 MANAGED_BY = "tpupipe"
 # The label naming, by a hash, the storage root a slice's run writes to (see `slice_labels`).
@@ -121,132 +118,10 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     )
 
 
-# Defaults that changed between versions: a run created before, rerun with the same config
-# file, differs in the field without its user changing anything. Each says how to resume.
-_DEFAULT_CHANGES = {
-    ("dataset.errors", "strict", "replace"): (
-        " (sources [stdlib] alone read with errors=replace when errors is not set, since "
-        "2026-11-25: add --set dataset.errors=strict to resume a run created before)"
-    ),
-}
-
-
-def check_resumable(
-    config: PipelineConfig,
-    plan: RunPlan,
-    fingerprint: str | None = None,
-    files: list[SourceFile] | None = None,
-) -> RunPlan:
-    """A rerun under an existing name must train the same thing on the same data, or it
-    would mix runs.
-
-    Args:
-        config: The rerun's config.
-        plan: Its plan.
-        fingerprint: The dataset its sources give now (`workloads.data.resolve_dataset`),
-            or None when they could not all be listed (`tpupipe validate` skips gs://).
-            The same sources and options give another dataset once a file is added,
-            removed or changed, or the tokenizer file is: resumed checkpoints, and the
-            data-iterator state saved in them, would then go on over other records. A
-            dataset an older version built from the same sources and options, whose
-            records hold the same ids (`workloads.data.same_records`), is no change: the run
-            resumes over the new one.
-        files: The source files behind `fingerprint`, to name what changed.
-
-    Returns:
-        The plan to run with: for an existing run, with the hash its checkpoints carry (a
-        run created by an older version of this code keeps its hash, so an upgrade does
-        not turn its checkpoints into another config's).
-
-    Raises:
-        ConfigError: naming every training field that differs from the stored run, or the
-            dataset it trained on and what changed since.
-    """
-    stored = _stored_config(plan)
-    if stored is None:
-        return plan
-    old, new = training_fields(stored.pipeline), training_fields(config)
-    diffs = [
-        f"{k}: {old_v!r} -> {new_v!r}{_DEFAULT_CHANGES.get((k, old_v, new_v), '')}"
-        for k, old_v, new_v in _diff(old, new)
-    ]
-    if diffs:
-        raise ConfigError(
-            f"run {plan.run_name!r} already exists in {plan.run_dir} with a different "
-            f"training config ({'; '.join(diffs)}); resume it with its original config or "
-            "choose a new run_name"
-        )
-    trained_on = posixpath.basename(stored.dataset_dir.rstrip("/"))
-    if (
-        fingerprint is not None
-        and fingerprint != trained_on
-        and not same_records(stored.dataset_dir, config.dataset, files or [])
-    ):
-        raise ConfigError(
-            f"run {plan.run_name!r} trained on dataset {trained_on} ({stored.dataset_dir}), "
-            f"but its sources now give dataset {fingerprint} "
-            f"({_changes(stored.dataset_dir, files or [])}); resuming would go on over other "
-            "data. Restore them, or choose a new run_name"
-        )
-    return plan.model_copy(update={"config_hash": stored.config_hash})
-
-
-def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
-    """The source files added, removed or changed since `dataset_dir` was sharded, from its
-    manifest (local datasets only), else the general causes."""
-    try:
-        before = {
-            s["uri"]: (s["size"], s["version"]) for s in load_manifest(dataset_dir)["sources"]
-        }
-    except (DatasetError, OSError, KeyError, TypeError):
-        before = None
-    if before is None or not files:
-        return "a source file was added, removed or changed, or the tokenizer file was"
-    now = {f.uri: (f.size, f.version) for f in files}
-    found = [
-        ("added", [u for u in now if u not in before]),
-        ("removed", [u for u in before if u not in now]),
-        ("changed", [u for u in now if u in before and now[u] != before[u]]),
-    ]
-    said = [
-        f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
-    ]
-    return "; ".join(said) or "the tokenizer file or a dataset option changed"
-
-
-def _stored_config(plan: RunPlan) -> WorkloadConfig | None:
-    """The config.json an earlier invocation of the run wrote, or None for a new run.
-
-    Raises:
-        ConfigError: naming the file when it does not read as a workload config (torn,
-            not UTF-8, edited): a rerun cannot be checked against it, and treating it as
-            absent would let one train something else over the run's checkpoints.
-    """
-    path = epath.Path(plan.run_dir) / CONFIG
-    if not path.exists():
-        return None
-    try:
-        return load_workload_config(os.fspath(path))
-    except ConfigError as exc:
-        raise ConfigError(
-            f"{exc}; it records what run {plan.run_name!r} trained, which a rerun must "
-            "match: restore it, or choose a new run_name"
-        ) from None
-
-
-def _diff(old: dict, new: dict, prefix: str = ""):
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            yield from _diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            yield f"{prefix}{key}", a, b
-
-
 def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: str) -> str:
     """Write the run's resolved config.json, which the workload reads; returns its path.
 
-    Training fields never change under a run (`check_resumable` guarantees it); where and
+    Training fields never change under a run (`tasks.rerun.check_resumable` guarantees it); where and
     how it runs (mesh, slice, eval, log and checkpoint cadence) may differ between attempts,
     so the file is rewritten.
     """

@@ -15,9 +15,10 @@ from prefect.cache_policies import NONE
 from infra.metrics.duckdb_file import database_file_problem
 from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
-from tasks.plan import RunPlan, check_resumable, plan_run, write_workload_config
+from tasks.plan import RunPlan, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
+from tasks.rerun import check_resumable
 from tasks.run_owner import check_run_owner
 from workloads import data
 from workloads.config import DatasetConfig, PipelineConfig

@@ -18,9 +18,10 @@ from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
-from tasks.plan import check_resumable, plan_run
+from tasks.plan import plan_run
 from tasks.prepare import DatasetError, check_inputs, check_memory
 from tasks.pricing import price_for
+from tasks.rerun import check_resumable
 from tasks.run_lock import sweep_held
 from tasks.sweep_deployed import ensure_trial_deployment
 from tasks.sweep_models import SweepError, SweepPlan

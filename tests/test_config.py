@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main as cli_main
-from tasks.plan import check_resumable, plan_run, write_workload_config
+from tasks.plan import plan_run, write_workload_config
+from tasks.rerun import check_resumable
 from tests.helpers import REPO
 from workloads.config import PipelineConfig, padded_vocab_size
 from workloads.config_file import ConfigError, load_config
@@ -282,7 +283,13 @@ def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp
 
     manifest = json.loads((tmp_path / old / "manifest.json").read_text())
     (tmp_path / old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
-    with pytest.raises(ConfigError, match=r"trained on dataset 00000000000000v4"):
+    # Said as it is: the sources are the same, the format is not (this blamed the
+    # tokenizer file or a dataset option).
+    format_3 = r"trained on dataset 00000000000000v4 .*the same source files, but an older "
+    with pytest.raises(ConfigError, match=format_3 + r"tpupipe built it in dataset format 3"):
+        check_inputs(cfg, plan_run(cfg))
+    (tmp_path / old / "manifest.json").unlink()  # the dataset cache cleaned
+    with pytest.raises(ConfigError, match=r"holds no readable manifest\.json"):
         check_inputs(cfg, plan_run(cfg))
     (tmp_path / old / "manifest.json").write_text(json.dumps(manifest))
     edited = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"seq_len": 8})})
@@ -302,3 +309,22 @@ def test_a_wheel_uri_without_a_bucket_is_refused_naming_slice_wheel(tmp_path, ca
     assert cli_main(["validate", "--config", str(write(tmp_path, text))]) == 2
     err = capsys.readouterr().err
     assert "slice.wheel 'gs:///x.whl' names no bucket" in err and ":1:" in err
+
+
+def test_a_run_made_before_format_auto_was_the_default_resumes_with_its_config(tmp_path):
+    # Its config.json says format 'text', the default then; the same config file now
+    # means 'auto', which reads .txt files as text: the same dataset, not another config.
+    from tasks.prepare import check_inputs
+    from workloads import data
+
+    corpus, cfg = _six_document_run(tmp_path)
+    before = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"format": "text"})})
+    plan = plan_run(before)
+    result = data.shard_dataset(before.dataset, plan.datasets_root)
+    write_workload_config(before, plan, result.dataset_dir)
+    assert cfg.dataset.format == "auto"
+    assert check_inputs(cfg, plan_run(cfg))[0].config_hash == plan.config_hash
+    # A file 'auto' reads otherwise (JSONL) is a change of training data: refused by name.
+    (corpus / "6.jsonl").write_text('{"text": "a document"}\n')
+    with pytest.raises(ConfigError, match=r"dataset\.format: 'text' -> 'auto'"):
+        check_inputs(cfg, plan_run(cfg))

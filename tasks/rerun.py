@@ -1,0 +1,164 @@
+"""Whether a rerun under an existing run name may resume it: the same training fields and
+the same dataset records as the run it resumes (`check_resumable`), else an error saying
+what changed and how to resume."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from etils import epath
+
+from tasks.plan import RunPlan
+from workloads.config import PipelineConfig, WorkloadConfig, training_fields
+from workloads.config_file import ConfigError, load_workload_config
+from workloads.data import same_records
+from workloads.documents import file_format
+from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
+from workloads.rundir import CONFIG
+from workloads.sources import DatasetError, SourceFile
+
+# Defaults that changed between versions: a run created before, rerun with the same config
+# file, differs in the field without its user changing anything. Each says how to resume.
+_DEFAULT_CHANGES = {
+    ("dataset.errors", "strict", "replace"): (
+        " (sources [stdlib] alone read with errors=replace when errors is not set, since "
+        "2026-11-25: add --set dataset.errors=strict to resume a run created before)"
+    ),
+}
+
+
+def check_resumable(
+    config: PipelineConfig,
+    plan: RunPlan,
+    fingerprint: str | None = None,
+    files: list[SourceFile] | None = None,
+) -> RunPlan:
+    """A rerun under an existing name must train the same thing on the same data, or it
+    would mix runs.
+
+    Args:
+        config: The rerun's config.
+        plan: Its plan.
+        fingerprint: The dataset its sources give now (`workloads.data.resolve_dataset`),
+            or None when they could not all be listed (`tpupipe validate` skips gs://).
+            The same sources and options give another dataset once a file is added,
+            removed or changed, or the tokenizer file is: resumed checkpoints, and the
+            data-iterator state saved in them, would then go on over other records. A
+            dataset an older version built from the same sources and options, whose
+            records hold the same ids (`workloads.data.same_records`), is no change: the run
+            resumes over the new one.
+        files: The source files behind `fingerprint`, to name what changed.
+
+    Returns:
+        The plan to run with: for an existing run, with the hash its checkpoints carry (a
+        run created by an older version of this code keeps its hash, so an upgrade does
+        not turn its checkpoints into another config's).
+
+    Raises:
+        ConfigError: naming every training field that differs from the stored run, or the
+            dataset it trained on and what changed since.
+    """
+    stored = _stored_config(plan)
+    if stored is None:
+        return plan
+    old, new = training_fields(stored.pipeline), training_fields(config)
+    diffs = [
+        f"{k}: {old_v!r} -> {new_v!r}{_DEFAULT_CHANGES.get((k, old_v, new_v), '')}"
+        for k, old_v, new_v in _diff(old, new)
+        if not _same_format(k, old_v, new_v, files)
+    ]
+    if diffs:
+        raise ConfigError(
+            f"run {plan.run_name!r} already exists in {plan.run_dir} with a different "
+            f"training config ({'; '.join(diffs)}); resume it with its original config or "
+            "choose a new run_name"
+        )
+    trained_on = posixpath.basename(stored.dataset_dir.rstrip("/"))
+    if (
+        fingerprint is not None
+        and fingerprint != trained_on
+        and not same_records(stored.dataset_dir, config.dataset, files or [])
+    ):
+        raise ConfigError(
+            f"run {plan.run_name!r} trained on dataset {trained_on} ({stored.dataset_dir}), "
+            f"but its sources now give dataset {fingerprint} "
+            f"({_changes(stored.dataset_dir, files or [])}); resuming or evaluating it again "
+            "would go on over other data. Restore them, or choose a new run_name"
+        )
+    return plan.model_copy(update={"config_hash": stored.config_hash})
+
+
+def _same_format(key: str, old: object, new: object, files: list[SourceFile] | None) -> bool:
+    """Whether `dataset.format` changed only from a format to "auto" (the default since
+    2026-11-23) that reads every source file in that same format: the same dataset (its
+    fingerprint records the format the files resolve to), so a run created before resumes
+    with its config file as it was."""
+    if key != "dataset.format" or new != "auto" or not files:
+        return False
+    return all(file_format(f.uri, "auto") == old for f in files)
+
+
+def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
+    """The source files added, removed or changed since `dataset_dir` was sharded, from its
+    manifest (local datasets only); else that it was built in an older dataset format,
+    that its manifest is gone, or the general causes."""
+    try:
+        manifest = load_manifest(dataset_dir)
+    except (DatasetError, OSError):
+        return (
+            "its directory holds no readable manifest.json (deleted with the dataset cache?), "
+            "so whether the sources still give its records cannot be told"
+        )
+    try:
+        before = {s["uri"]: (s["size"], s["version"]) for s in manifest["sources"]}
+    except (KeyError, TypeError):
+        before = None
+    if before is None or not files:
+        return "a source file was added, removed or changed, or the tokenizer file was"
+    now = {f.uri: (f.size, f.version) for f in files}
+    found = [
+        ("added", [u for u in now if u not in before]),
+        ("removed", [u for u in before if u not in now]),
+        ("changed", [u for u in now if u in before and now[u] != before[u]]),
+    ]
+    said = [
+        f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
+    ]
+    version = manifest.get("format_version")
+    if not said and isinstance(version, int) and version < SAME_RECORDS_SINCE:
+        return (
+            f"the same source files, but an older tpupipe built it in dataset format "
+            f"{version}, whose records this version's format {FORMAT_VERSION} does not "
+            "reproduce"
+        )
+    return "; ".join(said) or "the tokenizer file or a dataset option changed"
+
+
+def _stored_config(plan: RunPlan) -> WorkloadConfig | None:
+    """The config.json an earlier invocation of the run wrote, or None for a new run.
+
+    Raises:
+        ConfigError: naming the file when it does not read as a workload config (torn,
+            not UTF-8, edited): a rerun cannot be checked against it, and treating it as
+            absent would let one train something else over the run's checkpoints.
+    """
+    path = epath.Path(plan.run_dir) / CONFIG
+    if not path.exists():
+        return None
+    try:
+        return load_workload_config(os.fspath(path))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}; it records what run {plan.run_name!r} trained, which a rerun must "
+            "match: restore it, or choose a new run_name"
+        ) from None
+
+
+def _diff(old: dict, new: dict, prefix: str = ""):
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            yield from _diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            yield f"{prefix}{key}", a, b
