@@ -57,8 +57,9 @@ class PrefectServer:
         return proc
 
 
-def server_env(home: Path, port: int) -> dict[str, str]:
-    """The environment of the server, the CLI, the worker and its flow runs."""
+def server_env(home: Path, port: int, scheduler: bool = False) -> dict[str, str]:
+    """The environment of the server, the CLI, the worker and its flow runs; with
+    `scheduler`, the server's scheduler service runs, every second."""
     url = f"http://127.0.0.1:{port}"
     return {
         **os.environ,
@@ -71,18 +72,22 @@ def server_env(home: Path, port: int) -> dict[str, str]:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         # No scheduled runs (train-nightly, reap-orphans) competing with the tests' runs;
         # the schedules themselves are still deployed and checked.
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": str(scheduler).lower(),
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
         # The worker asks for work every 2 s instead of 10.
         "PREFECT_WORKER_QUERY_SECONDS": "2",
     }
 
 
 @contextlib.contextmanager
-def running_server(home: Path, timeout_s: float = 180.0) -> Iterator[PrefectServer]:
-    """`prefect server start` on a free loopback port until the block exits."""
+def running_server(
+    home: Path, timeout_s: float = 180.0, scheduler: bool = False
+) -> Iterator[PrefectServer]:
+    """`prefect server start` on a free loopback port until the block exits (`scheduler`:
+    see `server_env`)."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = server_env(home, port)
+    env = server_env(home, port, scheduler)
     logs = home / "server.log"
     server = PrefectServer(url=f"http://127.0.0.1:{port}", env=env, logs=logs)
     with logs.open("w") as out:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.client.orchestration import SyncPrefectClient
 
 from infra.metrics import DuckDBSink
 from infra.slices import build_provider
@@ -146,6 +147,32 @@ def test_every_deployment_is_registered_with_its_schedule_and_pool(stack):
     ]
     assert undescribed == []
     assert deployments["tpu-training-pipeline/train"].enforce_parameter_schema
+
+
+def test_the_server_s_scheduler_makes_the_scheduled_deployments_runs(tmp_path):
+    """On its own server, scheduler on (the module's is off, so that no scheduled run
+    competes with the tests'), no worker: with the SQLAlchemy 2.1 the lock once held,
+    Prefect's scheduler failed every loop ("Can't evaluate bulk DML statement"), and
+    reap-orphans and train-nightly never ran."""
+    pool = prefect_yaml()["definitions"]["work_pools"]["default"]["name"]
+    with running_server(tmp_path / "prefect-home", scheduler=True) as server:
+        server.cli("work-pool", "create", pool, "--type", "process")
+        server.cli("deploy", "--name", "reap-orphans", "--name", "train-nightly")
+
+        def scheduled() -> dict[str, int]:
+            with SyncPrefectClient(api=server.api_url) as client:
+                runs = client.read_flow_runs()
+                names = {d.id: d.name for d in client.read_deployments()}
+            counts: dict[str, int] = {}
+            for run in runs:
+                if run.state and run.state.type.value == "SCHEDULED":
+                    name = names.get(run.deployment_id)
+                    counts[name] = counts.get(name, 0) + 1
+            return counts if set(counts) == {"reap-orphans", "train-nightly"} else {}
+
+        counts = wait_for(scheduled, 60, "the scheduler's first runs")
+        assert "bulk DML" not in server.logs.read_text()
+    assert counts["reap-orphans"] >= 3 and counts["train-nightly"] >= 1
 
 
 def test_an_integer_beyond_64_bits_from_the_ui_is_refused_and_the_runs_list_still_reads(stack):
