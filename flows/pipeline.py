@@ -11,6 +11,10 @@ from datetime import UTC, datetime
 
 from prefect import flow, runtime
 
+# A worker loads this file by its path (prefect.yaml's entrypoint), which imports
+# no package; the flows package's set-up sends the project's module logs to the run and
+# logs refusals in one line, as `tpupipe run` does.
+import flows  # noqa: F401
 from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, finished_training, verify_checkpoint
 from tasks.landing import land_failure, land_metrics, publish_summary

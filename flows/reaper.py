@@ -8,6 +8,10 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
+# A worker loads this file by its path (prefect.yaml's entrypoint), which imports
+# no package; the flows package's set-up sends the project's module logs to the run and
+# logs refusals in one line, as `tpupipe run` does.
+import flows  # noqa: F401
 from tasks.own_slice import record_teardown_delete
 from tasks.teardown import provider_for, reap
 from workloads.config import PipelineConfig

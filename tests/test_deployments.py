@@ -47,6 +47,31 @@ def test_prefect_yaml_entrypoints_are_the_projects_flows():
         assert d["work_pool"]["name"] == spec["definitions"]["work_pools"]["default"]["name"]
 
 
+@pytest.mark.parametrize("name", ["train", "sweep", "reap-orphans"])
+def test_an_entrypoint_loaded_by_path_as_a_worker_does_sends_module_logs_to_its_run(name):
+    """A process worker loads `flows/pipeline.py` by its path, which imports no package:
+    `flows/__init__.py`'s set-up never ran, and no `tasks.*` or `infra.*` line (the
+    reaper's "kept slice ...", the hooks' "deleted slice ...") reached a deployed run's
+    logs, and a refusal was logged with its tracebacks."""
+    import subprocess
+    import sys
+
+    (entrypoint,) = [d["entrypoint"] for d in prefect_yaml()["deployments"] if d["name"] == name]
+    check = (
+        "import logging\n"
+        "from prefect.flows import load_flow_from_entrypoint\n"
+        f"load_flow_from_entrypoint({entrypoint!r})\n"
+        "from tasks.logs import MODULE_LOGGERS, RUN_LOGGERS, RunLogHandler\n"
+        "assert all(any(isinstance(h, RunLogHandler) for h in logging.getLogger(n).handlers)"
+        " for n in MODULE_LOGGERS), 'module logs not sent to runs'\n"
+        "assert all(logging.getLogger(n).filters for n in RUN_LOGGERS), 'no refusal filter'\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @dataclass
 class Stack:
     server: PrefectServer
