@@ -46,7 +46,10 @@ def describe_error(exc: BaseException) -> str:
     termination signal (Prefect's `TerminationSignal`, which has no message) its name."""
     signum = getattr(exc, "signal", None)
     if isinstance(signum, int):
-        return f"{type(exc).__name__}: the orchestrator received {signal.Signals(signum).name}"
+        name = signal.Signals(signum).name
+        # Prefect's worker cancels a flow run (the UI's Cancel) by SIGTERM to its process.
+        how = " (a stop, or a cancel from the Prefect UI or API)" if name == "SIGTERM" else ""
+        return f"{type(exc).__name__}: the orchestrator received {name}{how}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -121,9 +121,9 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
 def write_workload_config(config: PipelineConfig, plan: RunPlan, dataset_dir: str) -> str:
     """Write the run's resolved config.json, which the workload reads; returns its path.
 
-    Training fields never change under a run (`tasks.rerun.check_resumable` guarantees it); where and
-    how it runs (mesh, slice, eval, log and checkpoint cadence) may differ between attempts,
-    so the file is rewritten.
+    Training fields never change under a run (`tasks.rerun.check_resumable` guarantees
+    it); where and how it runs (mesh, slice, eval, log and checkpoint cadence) may differ
+    between attempts, so the file is rewritten.
     """
     path = epath.Path(plan.run_dir) / CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)

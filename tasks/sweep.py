@@ -179,7 +179,7 @@ def _never_ran(trial: Trial, outcome: TrialOutcome, asked: float) -> TrialResult
 
 
 NOT_STARTED = TrialOutcome(
-    status="cancelled", error="not started: the sweep was interrupted (Ctrl-C or SIGTERM)"
+    status="cancelled", error="not started: the sweep was stopped (Ctrl-C, SIGTERM or a cancel)"
 )
 STOPPING_NOW = TrialOutcome(
     status="cancelled", error="stopping: the sweep was interrupted while it ran"

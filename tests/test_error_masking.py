@@ -84,3 +84,21 @@ def test_a_failed_runs_row_waits_for_its_sink_by_how_the_run_ended(monkeypatch):
     landing.land_failure(None, None, None, None, evaluated, RuntimeError("503 from BigQuery"))
     landing.land_failure(None, None, None, None, evaluated, KeyboardInterrupt())
     assert waits == [None, landing.AFTER_FAILED_LANDING_WAIT_S, landing.INTERRUPTED_WAIT_S]
+
+
+def test_a_run_stopped_by_sigterm_says_a_cancel_may_have_sent_it():
+    # Prefect's worker cancels a flow run (the UI's Cancel) with SIGTERM: the row said only
+    # "received SIGTERM", which a user who pressed Cancel could not place.
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
+    from tasks.landing import describe_error
+
+    assert describe_error(TerminationSignal(signal.SIGTERM)) == (
+        "TerminationSignal: the orchestrator received SIGTERM (a stop, or a cancel from the "
+        "Prefect UI or API)"
+    )
+    assert describe_error(TerminationSignal(signal.SIGINT)) == (
+        "TerminationSignal: the orchestrator received SIGINT"
+    )
