@@ -117,12 +117,14 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         max_parallel=config.max_parallel or len(trials),
         base=config.base,
     )
+    # The limit bounds the trials in flight too: the quota over the chips a trial takes.
+    at_once = min(plan.max_parallel, max(1, chips // max(t.chips for t in trials)))
     get_run_logger().info(
         "sweep %s: %d trials as %ss, at most %d at once, limit %r of %d chips",
         sweep_id,
         len(trials),
         via,
-        plan.max_parallel,
+        at_once,
         plan.chip_limit,
         chips,
     )

@@ -275,3 +275,35 @@ def test_trials_via_a_deployment_that_does_not_exist_stop_the_plan():
         ensure_trial_deployment("tpu-training-pipeline/trian", Client())
     with pytest.raises(ValueError, match="flow name/deployment name"):
         SweepConfig(trial_deployment="train")
+
+
+def test_the_plan_s_log_counts_the_trials_the_chip_limit_admits_at_once(
+    tmp_path, prefect_harness, monkeypatch
+):
+    # Three trials of 8 chips under a quota of 8 run one at a time: the plan said "at most
+    # 3 at once".
+    import uuid
+
+    from prefect import flow
+
+    from tasks import sweep_plan
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    said = []
+
+    class Logger:
+        def info(self, message, *args):
+            said.append(message % args)
+
+        warning = info
+
+    monkeypatch.setattr(sweep_plan, "get_run_logger", Logger)
+    config = SweepConfig(
+        base=tiny_config(tmp_path),
+        space=SearchSpace(grid={"seed": [1, 2, 3]}),
+        sweep_name="quota",
+        chip_limit=f"chips-{uuid.uuid4().hex[:8]}",
+        chip_quota=8,
+    )
+    flow(lambda: sweep_plan.plan_sweep.fn(config, None, False), name="plan")()
+    assert any("3 trials as subflows, at most 1 at once" in line for line in said), said
