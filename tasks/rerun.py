@@ -25,6 +25,12 @@ _DEFAULT_CHANGES = {
         " (sources [stdlib] alone read with errors=replace when errors is not set, since "
         "2026-11-25: add --set dataset.errors=strict to resume a run created before)"
     ),
+    # Said where the sources are not known (a sweep's plan, gs:// in `tpupipe validate`):
+    # with them, auto reading every file as text is no change (`_same_format`).
+    ("dataset.format", "text", "auto"): (
+        " (format 'auto', reading each file by its name, is the default since 2026-11-23: "
+        "add --set dataset.format=text to resume a run created before)"
+    ),
 }
 
 

@@ -324,7 +324,10 @@ def test_a_run_made_before_format_auto_was_the_default_resumes_with_its_config(t
     write_workload_config(before, plan, result.dataset_dir)
     assert cfg.dataset.format == "auto"
     assert check_inputs(cfg, plan_run(cfg))[0].config_hash == plan.config_hash
-    # A file 'auto' reads otherwise (JSONL) is a change of training data: refused by name.
+    # A file 'auto' reads otherwise (JSONL) is a change of training data: refused by name,
+    # with the way to resume.
     (corpus / "6.jsonl").write_text('{"text": "a document"}\n')
-    with pytest.raises(ConfigError, match=r"dataset\.format: 'text' -> 'auto'"):
+    with pytest.raises(ConfigError, match=r"dataset\.format: 'text' -> 'auto' \(format 'auto'"):
         check_inputs(cfg, plan_run(cfg))
+    with pytest.raises(ConfigError, match=r"add --set dataset\.format=text to resume"):
+        check_resumable(cfg, plan_run(cfg))  # a sweep's plan: no sources listed
