@@ -34,7 +34,8 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     BigQuery sink (`tpupipe validate` contacts no cloud service).
 
     Raises:
-        ConfigError: naming the run name, where it landed from and what to change.
+        ConfigError: naming the run name, where it landed from and what to change; or a
+            DuckDB table landing cannot use (`infra.metrics.duckdb_tables.SchemaError`).
     """
     metrics = config.metrics
     if metrics.sink == "duckdb" and not os.path.exists(plan.metrics_path):
@@ -42,10 +43,13 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     if metrics.sink == "bigquery" and not remote:
         return
     from infra.metrics import build_sink
+    from infra.metrics.duckdb_tables import SchemaError
 
     try:
         sink = build_sink(metrics.sink, plan.metrics_path, metrics, LOCK_WAIT_S)
         row = sink.read_run(plan.run_id)
+    except SchemaError as exc:  # landing would fail on it after the whole training run
+        raise ConfigError(f"metrics.path = {plan.metrics_path!r}: {exc}") from None
     except Exception as exc:  # the check is advisory: landing reports a real problem
         log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
         return

@@ -213,7 +213,9 @@ class BigQuerySink:
     def read_run(self, run_id: str) -> RunRow | None:
         """The `runs` row of `run_id`, or None if it has not landed (no dataset or table
         yet included: nothing has landed there, which is no error)."""
-        sql = f"SELECT * FROM `{self._table(RunRow)}` WHERE run_id = @run_id"
+        # The model's columns: one a user added to the table is none of the row's.
+        columns = ", ".join(RunRow.model_fields)
+        sql = f"SELECT {columns} FROM `{self._table(RunRow)}` WHERE run_id = @run_id"
         try:
             with bigquery_tables.naming(f"reading run {run_id} from {self.dataset}"):
                 rows = list(self._query(sql, run_id))

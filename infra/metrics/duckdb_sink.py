@@ -26,6 +26,7 @@ from typing import Any
 import duckdb
 
 from infra.metrics.duckdb_file import create_database
+from infra.metrics.duckdb_tables import prepare_table
 from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
     ROW_MODELS,
@@ -38,20 +39,6 @@ from infra.metrics.rows import (
     one_sweep_id,
     table_schema,
 )
-
-
-def create_table_sql(model: type[TableRow]) -> str:
-    """`CREATE TABLE IF NOT EXISTS` for a row model: its columns, NOT NULLs and primary key.
-
-    Args:
-        model: a row model (RunRow, StepMetricRow or EvalMetricRow).
-
-    Returns:
-        The DDL statement.
-    """
-    columns = [f"{c.name} {c.type}{'' if c.nullable else ' NOT NULL'}" for c in table_schema(model)]
-    columns.append(f"PRIMARY KEY ({', '.join(model.primary_key)})")
-    return f"CREATE TABLE IF NOT EXISTS {model.table} (\n  " + ",\n  ".join(columns) + "\n)"
 
 
 class MetricsLocked(RuntimeError):
@@ -176,7 +163,9 @@ class DuckDBSink:
         """The `runs` row of `run_id`, or None if it has not landed."""
         with self._connect() as con:
             self._create_tables(con)
-            cur = con.execute("SELECT * FROM runs WHERE run_id = ?", [run_id])
+            # The model's columns: one a user added to the table is none of the row's.
+            columns = ", ".join(RunRow.model_fields)
+            cur = con.execute(f"SELECT {columns} FROM runs WHERE run_id = ?", [run_id])
             row = cur.fetchone()
             names = [d[0] for d in cur.description]
         return None if row is None else RunRow.model_validate(dict(zip(names, row, strict=True)))
@@ -246,14 +235,7 @@ class DuckDBSink:
 
     @staticmethod
     def _create_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None:
-        con.execute(create_table_sql(model))
-        # Row models only ever grow by nullable columns: add them to an older file.
-        for column in table_schema(model):
-            if column.nullable:
-                con.execute(
-                    f"ALTER TABLE {model.table} ADD COLUMN IF NOT EXISTS "
-                    f"{column.name} {column.type}"
-                )
+        prepare_table(con, model)
 
     @staticmethod
     def _insert(

@@ -1,0 +1,86 @@
+"""DuckDB metrics tables a user (or another version) made or changed: each either lands as
+it should or is refused before the run, naming the table and column, never after training
+with DuckDB's own words or with values converted on the way in."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from infra.metrics import DuckDBSink
+from infra.metrics.duckdb_tables import SchemaError
+from tasks.plan import plan_run
+from tasks.run_owner import check_run_owner
+from tests.helpers import tiny_config
+from tests.test_metrics_sink import evals, run_row, steps
+from workloads.config_file import ConfigError
+
+
+def _file(tmp_path, *statements: str) -> str:
+    path = str(tmp_path / "metrics.duckdb")
+    DuckDBSink(path).ensure_tables()
+    with duckdb.connect(path) as con:
+        for statement in statements:
+            con.execute(statement)
+    return path
+
+
+def test_a_column_a_user_added_is_left_alone_and_rows_still_read(tmp_path):
+    # Reading a run's row took every column: "notes: Extra inputs are not permitted", and
+    # a rerun of a landed run failed at its landing after training.
+    sink = DuckDBSink(_file(tmp_path, "ALTER TABLE runs ADD COLUMN notes VARCHAR"))
+    sink.land(run_row(), steps(), evals())
+    assert sink.read_run("run-1").final_step == run_row().final_step
+    sink.land(run_row(), steps(), evals())  # a rerun lands over it
+    assert sink.query("SELECT count(*) FROM runs") == [(1,)]
+
+
+def test_a_table_made_without_a_column_gets_it(tmp_path):
+    path = str(tmp_path / "metrics.duckdb")
+    with duckdb.connect(path) as con:  # by hand: config_hash missing, as the probe's was
+        con.execute("CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, status VARCHAR)")
+    sink = DuckDBSink(path)
+    sink.land(run_row(), steps(), evals())
+    assert sink.read_run("run-1").config_hash == run_row().config_hash
+
+
+@pytest.mark.parametrize(
+    ("statements", "said"),
+    [
+        (
+            [
+                "DROP TABLE runs",
+                "CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, eval_loss INTEGER)",
+            ],
+            r"runs\.eval_loss is INTEGER, not DOUBLE",
+        ),
+        (
+            ["DROP TABLE step_metrics", "CREATE TABLE step_metrics (run_id VARCHAR, step BIGINT)"],
+            r"step_metrics has no primary key, not \(run_id, step\)",
+        ),
+        (
+            ["DROP TABLE eval_metrics", "CREATE TABLE eval_metrics (run_id VARCHAR PRIMARY KEY)"],
+            r"eval_metrics has primary key \(run_id\), not \(run_id, step, split\)",
+        ),
+        (["DROP TABLE runs", "CREATE VIEW runs AS SELECT 1 AS run_id"], r"runs is a view"),
+    ],
+    ids=["column-type", "no-key", "other-key", "view"],
+)
+def test_a_table_landing_cannot_use_is_refused_by_name(tmp_path, statements, said):
+    sink = DuckDBSink(_file(tmp_path, *statements))
+    with pytest.raises(SchemaError, match=said):
+        sink.land(run_row(), steps(), evals())
+
+
+def test_the_run_refuses_such_a_file_before_it_provisions(tmp_path):
+    # The check before the run read the row, met the error, logged a warning and went on:
+    # the run trained, then failed to land.
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    sink = DuckDBSink(plan.metrics_path)
+    sink.ensure_tables()
+    with duckdb.connect(plan.metrics_path) as con:
+        con.execute("DROP TABLE runs")
+        con.execute("CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, eval_loss INTEGER)")
+    with pytest.raises(ConfigError, match=r"metrics\.path = .*runs\.eval_loss is INTEGER"):
+        check_run_owner(config, plan)
