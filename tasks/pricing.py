@@ -37,7 +37,7 @@ from workloads.config_infra import MAX_USD_PER_CHIP_HOUR
 SHIPPED_TABLE = "tpu_prices.yaml"
 
 Family = Literal["v4", "v5p", "v5litepod", "v6e"]
-Region = Annotated[str, StringConstraints(pattern=r"^[a-z]+-[a-z]+\d+$")]
+Region = Annotated[str, StringConstraints(pattern=r"^[a-z]+-[a-z]+[0-9]+$")]
 
 
 class PriceTableError(ConfigError):

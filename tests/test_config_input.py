@@ -123,6 +123,26 @@ def test_a_name_with_a_trailing_newline_is_refused(tmp_path, setting, field):
         load_config(write(tmp_path, "seed: 0\n"), [setting])
 
 
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("slice.zone=us-central\u0661-a", "slice.zone"),  # an Arabic-Indic 1
+        ("slice.fallback_zones=[us-east\uff15-b]", r"slice\.fallback_zones"),  # fullwidth 5
+        ("cost.region=us-central\u0661", "cost.region"),
+        ("metrics.location=us-central\u0661", "metrics.location"),
+        ("slice.accelerator_type=v5litepod-\u0668", "slice.accelerator_type"),
+    ],
+)
+def test_a_name_with_a_digit_of_another_script_is_refused(tmp_path, setting, field):
+    # `\d` matches any Unicode digit: these passed validation, the TPU type was even
+    # priced (int() reads the digit), and the API would have refused them after sharding.
+    gcp = "slice: {provider: gcp, zone: us-west4-a, accelerator_type: v5litepod-8, "
+    gcp += "runtime_version: v2-alpha-tpuv5-lite, wheel: gs://b/w.whl}\n"
+    text = gcp if setting.startswith("slice.") else "seed: 0\n"
+    with pytest.raises(ConfigError, match=field):
+        load_config(write(tmp_path, text), [setting])
+
+
 def test_a_run_name_from_a_yaml_block_scalar_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"run_name 'nightly\\n' must be"):
         load_config(write(tmp_path, "run_name: |\n  nightly\n"))

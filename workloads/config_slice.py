@@ -25,10 +25,10 @@ _TPU_FAMILIES: dict[str, tuple[int, int, int]] = {
     "v5litepod": (1, 4, 8),
     "v6e": (1, 4, 8),
 }
-_ACCELERATOR = re.compile(r"^(v4|v5p|v5litepod|v6e)-(\d+)$")
-_ZONE = re.compile(r"^[a-z]+-[a-z]+\d+-[a-z]$")
+_ACCELERATOR = re.compile(r"^(v4|v5p|v5litepod|v6e)-([0-9]+)$")
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 # A region name, e.g. us-central1 (a zone adds a letter: us-central1-a).
-REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
+REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 
 # Bounds of the slice's durations. A spot request's `valid_until` is a protobuf Duration:
 # 1e12 s failed to serialise at provisioning and values under 1 s were sent as "0s"; a
