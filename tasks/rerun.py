@@ -25,8 +25,8 @@ _DEFAULT_CHANGES = {
         " (sources [stdlib] alone read with errors=replace when errors is not set, since "
         "2026-11-25: add --set dataset.errors=strict to resume a run created before)"
     ),
-    # Said where the sources are not known (a sweep's plan, gs:// in `tpupipe validate`):
-    # with them, auto reading every file as text is no change (`_same_format`).
+    # Said when auto reads some source file otherwise: reading every file as text, it is
+    # no change (`_same_format`).
     ("dataset.format", "text", "auto"): (
         " (format 'auto', reading each file by its name, is the default since 2026-11-23: "
         "add --set dataset.format=text to resume a run created before)"
@@ -72,7 +72,7 @@ def check_resumable(
     diffs = [
         f"{k}: {old_v!r} -> {new_v!r}{_DEFAULT_CHANGES.get((k, old_v, new_v), '')}"
         for k, old_v, new_v in _diff(old, new)
-        if not _same_format(k, old_v, new_v, files)
+        if not _same_format(k, old_v, new_v, files, fingerprint is not None)
     ]
     if diffs:
         raise ConfigError(
@@ -95,14 +95,25 @@ def check_resumable(
     return plan.model_copy(update={"config_hash": stored.config_hash})
 
 
-def _same_format(key: str, old: object, new: object, files: list[SourceFile] | None) -> bool:
-    """Whether `dataset.format` changed only from a format to "auto" (the default since
-    2026-11-23) that reads every source file in that same format: the same dataset (its
-    fingerprint records the format the files resolve to), so a run created before resumes
-    with its config file as it was."""
-    if key != "dataset.format" or new != "auto" or not files:
+def _same_format(
+    key: str, old: object, new: object, files: list[SourceFile] | None, listed: bool
+) -> bool:
+    """Whether `dataset.format` changed only between a format and "auto" (the default
+    since 2026-11-23), either way, where auto reads every source file in that format: the
+    same dataset (its fingerprint records the format the files resolve to). So a run
+    created before resumes with its config file as it was, and with its explicit format
+    again after a rerun with the default wrote "auto" into its config.json.
+
+    With the sources not all `listed` (a sweep's plan, gs:// sources in `tpupipe
+    validate`) it cannot be told here: the run decides once it lists them, before it
+    provisions anything.
+    """
+    if key != "dataset.format" or "auto" not in (old, new):
         return False
-    return all(file_format(f.uri, "auto") == old for f in files)
+    if not listed:
+        return True
+    fixed = new if old == "auto" else old
+    return bool(files) and all(file_format(f.uri, "auto") == fixed for f in files)
 
 
 def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:

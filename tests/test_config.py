@@ -323,11 +323,17 @@ def test_a_run_made_before_format_auto_was_the_default_resumes_with_its_config(t
     result = data.shard_dataset(before.dataset, plan.datasets_root)
     write_workload_config(before, plan, result.dataset_dir)
     assert cfg.dataset.format == "auto"
-    assert check_inputs(cfg, plan_run(cfg))[0].config_hash == plan.config_hash
+    rerun = check_inputs(cfg, plan_run(cfg))[0]
+    assert rerun.config_hash == plan.config_hash
     # A file 'auto' reads otherwise (JSONL) is a change of training data: refused by name,
     # with the way to resume.
     (corpus / "6.jsonl").write_text('{"text": "a document"}\n')
     with pytest.raises(ConfigError, match=r"dataset\.format: 'text' -> 'auto' \(format 'auto'"):
         check_inputs(cfg, plan_run(cfg))
-    with pytest.raises(ConfigError, match=r"add --set dataset\.format=text to resume"):
-        check_resumable(cfg, plan_run(cfg))  # a sweep's plan: no sources listed
+    (corpus / "6.jsonl").unlink()
+    # A rerun with the default writes 'auto' into config.json: the original config, which
+    # says 'text', resumes it still.
+    write_workload_config(cfg, rerun, result.dataset_dir)
+    assert check_inputs(before, plan_run(before))[0].config_hash == plan.config_hash
+    # Unlisted sources (a sweep's plan, gs:// in `tpupipe validate`) leave it to the run.
+    assert check_resumable(before, plan_run(before)).config_hash == plan.config_hash
