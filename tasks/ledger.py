@@ -27,6 +27,10 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
   own root; or the slice has no `attempt` label, made by an older version) is billed to
   its end (`attempt_ended`, else its last event), and errs low by the node's time after
   that.
+- A node that came up after its orchestrator died (killed during the create, or while a
+  spot request waited) has no `provision_ready`; deleted READY by a later orchestrator,
+  it is billed from the request (on demand) or its workload's first event (spot) to that
+  deletion.
 - Failed creates and the back-off between them bill nothing: no node existed.
 
 Chips and price are the attempt's own: it records them when it asks for its slice
@@ -112,7 +116,7 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
     """
     ready = [e["time"] for e in events if e["event"] == "provision_ready"]
     if not ready:
-        return None
+        return _unseen_node_window(events, capacity)
     if capacity == "spot":
         start = ready[-1]
     else:
@@ -129,6 +133,23 @@ def billing_window(events: list[dict], capacity: str) -> tuple[float, float] | N
     deletions = [kinds[k] for k in ("deleted", LEFTOVER_DELETED) if k in kinds]
     end = max(deletions, default=kinds.get("attempt_ended", timed(events)[-1]["time"]))
     return start, max(end, start)
+
+
+def _unseen_node_window(events: list[dict], capacity: str) -> tuple[float, float] | None:
+    """The window of a node that came up after its orchestrator died (killed while its
+    create ran, or while its spot request was queued), so no `provision_ready` says when,
+    and that a later orchestrator deleted READY: on demand from the request, spot from the
+    node's workload's first event (the node was READY by then; none: nothing to bill).
+    None when no such deletion says a node existed."""
+    left = [e["time"] for e in events if e["event"] == LEFTOVER_DELETED and _billed_until(e)]
+    if not left:
+        return None
+    if capacity == "spot":
+        seen = [e["time"] for e in timed(events) if e.get("source") == "workload"]
+    else:
+        seen = [e["time"] for e in events if e["event"] == "provision_requested"]
+    start = (seen[0] if capacity == "spot" else seen[-1]) if seen else left[-1]
+    return start, max(left[-1], start)
 
 
 # States of a left copy that Google bills until its deletion: a node being created or

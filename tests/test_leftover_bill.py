@@ -104,3 +104,26 @@ def test_a_left_slice_found_no_longer_ready_is_billed_to_its_attempt_s_end(state
     old = {k: v for k, v in LEFT.items() if k != "state"}
     events = [*killed(True), old, *rerun()]
     assert compute_ledger(events, PRICE, tokens_per_step=512).attempts[0].billed_to == 999.5
+
+
+@pytest.mark.parametrize("capacity", ["on-demand", "spot"])
+def test_a_node_that_came_up_after_its_orchestrator_died_is_billed_until_deleted(capacity):
+    # The orchestrator was killed while the create ran (or the spot request waited): no
+    # provision_ready, and the ledger billed nothing for a node the reaper deleted READY an
+    # hour later, after its workload had trained on it.
+    def workload(t, event):
+        return {"time": t, "event": event, "attempt": 1, "source": "workload"}
+
+    events = [
+        {"time": 0, "event": "provision_requested", "attempt": 1, "source": "orchestrator"},
+        workload(300, "started"),
+        workload(1500, "checkpoint_saved"),
+        {**LEFT, "time": 3600.0, "invocation": "reaper"},
+    ]
+    price = Price(8, capacity, "v5litepod-8", "us-central1", 2.0, "test")
+    (attempt,) = compute_ledger(events, price, tokens_per_step=512).attempts
+    start = 0 if capacity == "on-demand" else 300  # spot: READY by its workload's start
+    assert (attempt.billed_from, attempt.billed_to) == (start, 3600.0)
+    # Deleted when no longer READY: billed nothing, as before.
+    gone = [*events[:3], {**LEFT, "time": 3600.0, "state": "TERMINATED"}]
+    assert compute_ledger(gone, price, tokens_per_step=512).attempts[0].billed_from is None
