@@ -195,7 +195,7 @@ def format_report(report: RunReport) -> str:
         f"badput: {badput}",
         _tokens_line(ledger, report.config is not None),
         f"cost: {_usd(ledger.cost_usd)} for {ledger.chip_hours:.4f} chip-hours "
-        f"({_chips(ledger)}); per 1M training tokens: {_usd(ledger.cost_per_million_tokens)}",
+        f"({_chips(ledger)}); per 1M training tokens: {_per_million(ledger)}",
     ]
     loss = _loss_line(report)
     return "\n".join([*lines, *([loss] if loss else [])])
@@ -267,6 +267,13 @@ def _step(row: dict[str, Any]) -> int:
 
 def _usd(value: float | None) -> str:
     return "not priced" if value is None else f"${value:.4f}"
+
+
+def _per_million(ledger: Ledger) -> str:
+    """The cost per 1M tokens kept; a priced run that kept none says so, not 'not priced'."""
+    if ledger.cost_usd is not None and not ledger.steps:
+        return "none (no step kept)"
+    return _usd(ledger.cost_per_million_tokens)
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -308,8 +308,11 @@ def test_a_final_checkpoint_this_host_cannot_verify_is_named(tmp_path):
     params = config_memory.param_count(config.model, 257) * 4
     host = 2 * params
     problem = config_memory.eval_memory_problem(config, 100, 257, host)
-    assert problem.startswith("model: the training state of this model (float32 parameters and ")
-    assert problem.endswith(
-        "run the orchestrator on a host with more memory, or use a smaller model"
+    assert problem.startswith(
+        "model.d_model = 512, model.n_layers = 1 and model.d_ff = 2048 make a model of "
     )
+    assert (
+        "checkpoint (float32 parameters and AdamW's two moments: 12 bytes a parameter)" in problem
+    )
+    assert problem.endswith("or set model.param_dtype = bfloat16 (half the bytes)")
     assert config_memory.eval_memory_problem(config, 100, 257, 3 * params + MIB) is None

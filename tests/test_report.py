@@ -337,3 +337,19 @@ def test_a_step_trained_again_is_reported_by_its_last_row(tmp_path):
     steps = [m["step"] for m in report.metrics]
     assert steps == sorted(set(steps)) == list(range(2, 61, 2))
     assert [m["loss"] for m in report.metrics[:3]] == [9.0, 9.0, 5.0 - 6 / 20]
+
+
+def test_a_priced_run_that_kept_no_step_says_so_not_not_priced(tmp_path, capsys):
+    # Killed before its first checkpoint: its cost is known, and the cost per token has
+    # no tokens to divide by, which the report called "not priced".
+    run_dir = fake_run(tmp_path, "cost.usd_per_chip_hour=2.0", name="none")
+    events = [
+        {"time": 0.0, "event": "provision_requested", "attempt": 1, "source": "orchestrator"},
+        {"time": 2.0, "event": "provision_ready", "attempt": 1, "source": "orchestrator"},
+        {"time": 30.0, "event": "deleted", "attempt": 1, "source": "orchestrator"},
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert cli_main(["report", "none", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"cost: ${8 * 30 / 3600 * 2.0:.4f}" in out
+    assert "per 1M training tokens: none (no step kept)" in out

@@ -162,14 +162,21 @@ def eval_memory_problem(
     rows = min(cfg.eval.batch_size, max(eval_records, 1))
     vocab = padded_vocab_size(vocab_size)
     logits = rows * cfg.dataset.seq_len * vocab * 4
-    params = param_count(cfg.model, vocab_size) * _BYTES[cfg.model.param_dtype]
+    m = cfg.model
+    count = param_count(m, vocab_size)
+    params = count * _BYTES[m.param_dtype]
     if (state := 3 * params) > host_bytes:
+        advice = "use a smaller model (model.d_model, model.n_layers, model.d_ff)"
+        if m.param_dtype == "float32" and state // 2 <= host_bytes:
+            advice += ", or set model.param_dtype = bfloat16 (half the bytes)"
         return (
-            f"model: the training state of this model ({cfg.model.param_dtype} parameters "
-            f"and AdamW's two moments) takes {_gib(state)}, more than this host's "
-            f"{_gib(host_bytes)} of memory, where the orchestrator restores the final "
-            "checkpoint to verify it after training: run the orchestrator on a host with "
-            "more memory, or use a smaller model"
+            f"model.d_model = {m.d_model}, model.n_layers = {m.n_layers} and model.d_ff = "
+            f"{m.d_ff} make a model of {_count(count)} parameters whose checkpoint "
+            f"({m.param_dtype} parameters and AdamW's two moments: "
+            f"{3 * _BYTES[m.param_dtype]} bytes a parameter) takes {_gib(state)}, more than "
+            f"this host's {_gib(host_bytes)} of memory, where the orchestrator restores the "
+            f"final checkpoint to verify it after training: run the orchestrator on a host "
+            f"with more memory, or {advice}"
         )
     if logits + params <= host_bytes:
         return None
