@@ -16,6 +16,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 
+from google.api_core import exceptions as gexc
 from google.api_core import retry as gretry
 
 log = logging.getLogger("infra.retries")
@@ -86,3 +87,10 @@ def logged_retry(
 def _one_line(exc: Exception) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def concurrent_update(exc: Exception) -> bool:
+    """Whether BigQuery cancelled a transaction because another one changed the same table
+    at once ("Transaction is aborted due to concurrent update against table ..."): its
+    changes were rolled back, and running it again is how BigQuery means it to be met."""
+    return isinstance(exc, gexc.GoogleAPICallError) and "concurrent update" in str(exc).lower()

@@ -38,7 +38,7 @@ from typing import Any
 from google.api_core.exceptions import NotFound
 from google.cloud import bigquery
 
-from infra.gcp.retries import logged_retry
+from infra.gcp.retries import concurrent_update, logged_retry
 from infra.metrics import bigquery_tables
 from infra.metrics.bigquery_sql import bq_schema, dedupe, merge_sql, sql_literal
 from infra.metrics.bigquery_tables import STAGING_TTL, LocationError, SchemaError
@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 # error at all. Permanent errors (400, 403 accessDenied, 404) are not retried.
 # (`_predicate`: the library gives no public accessor, and its own `Retry` cannot log.)
 RETRY = logged_retry("BigQuery call failed", bigquery.DEFAULT_RETRY._predicate)
+# A landing's transaction that BigQuery cancelled for another changing the same table (two
+# runs or sweep trials landing at once): rolled back, so the whole script runs again.
+CONFLICT_RETRY = logged_retry("BigQuery landing met a concurrent one", concurrent_update)
 # Each HTTP request's own limit: the library's default is none, so a request whose answer
 # never came hung a landing for good (RETRY's deadline is only checked between attempts).
 CALL_TIMEOUT_S = 60.0
@@ -308,6 +311,10 @@ class BigQuerySink:
         return merge_sql(model, self._table(model), staging, scope, scope_column, kept, deletes)
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:
+        timeout = min(CONFLICT_RETRY.timeout, self.patience_s or CONFLICT_RETRY.timeout)
+        return CONFLICT_RETRY.with_timeout(timeout)(self._query_once)(sql, run_id)
+
+    def _query_once(self, sql: str, run_id: str | None) -> Any:
         params = [bigquery.ScalarQueryParameter("run_id", "STRING", run_id)] if run_id else []
         config = bigquery.QueryJobConfig(query_parameters=params)
         # job_retry=None: the library's job retry wraps RETRY in its own 600 s insert retry

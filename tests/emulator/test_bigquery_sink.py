@@ -135,6 +135,40 @@ def test_a_landing_that_failed_midway_changes_nothing_and_a_rerun_completes_it(s
     assert count(sink, "runs", "r1") == 1
 
 
+def test_a_landing_cancelled_for_a_concurrent_one_runs_again(sink, monkeypatch):
+    # Real BigQuery cancels one of two transactions changing a table at once (two runs or
+    # sweep trials landing together); the emulator runs them one after the other, so the
+    # cancellation is played here. The trial's run failed after training.
+    run, steps, evals = rows()
+    real_query = sink._query_once
+    cancelled = []
+
+    def cancel_the_first_transaction(sql, run_id):
+        if "BEGIN TRANSACTION" in sql and not cancelled:
+            cancelled.append(sql)
+            raise gexc.BadRequest(
+                "Transaction is aborted due to concurrent update against table p.d.runs"
+            )
+        return real_query(sql, run_id)
+
+    monkeypatch.setattr(sink, "_query_once", cancel_the_first_transaction)
+    sink.land(run, steps, evals)
+    assert cancelled
+    assert count(sink, "step_metrics", "r1") == 5
+    assert count(sink, "runs", "r1") == 1
+    # Any other bad request is no conflict: not run again.
+    tries = []
+
+    def bad(sql, run_id):
+        tries.append(sql)
+        raise gexc.BadRequest("Syntax error")
+
+    monkeypatch.setattr(sink, "_query_once", bad)
+    with pytest.raises(gexc.BadRequest, match="Syntax error"):
+        sink.read_run("r1")
+    assert len(tries) == 1
+
+
 def test_a_failed_landing_keeps_the_rows_and_results_landed_before(sink):
     # An interrupted rerun of a finished run MERGEd its failed row with the delete of
     # every row it lacked: the run's evaluation (eval rows, eval loss) was gone.
