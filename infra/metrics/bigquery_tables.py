@@ -31,7 +31,7 @@ from google.cloud import bigquery
 
 from infra.gcp.retries import doing
 from infra.metrics.bigquery_sql import bq_schema, changed_types
-from infra.metrics.rows import TableRow
+from infra.metrics.rows import TableRow, table_schema
 
 STAGING_TTL = dt.timedelta(days=1)
 
@@ -111,6 +111,20 @@ def create_table(
     table.clustering_fields = list(model.cluster_fields)
     with naming(f"creating BigQuery table {table_id}"):
         existing = client.create_table(table, exists_ok=True, retry=retry, timeout=timeout)
+    if existing.table_type not in (None, "TABLE"):
+        # The migration's ALTER TABLE failed on it with a parser error naming nothing.
+        raise SchemaError(
+            f"{table_id} is a {existing.table_type.lower().replace('_', ' ')}, not a table: "
+            "landing merges rows into it; rename it, or land into another metrics.dataset"
+        )
+    nullable = {c.name for c in table_schema(model) if c.nullable}
+    if required := [f.name for f in existing.schema if f.name in nullable and f.mode == "REQUIRED"]:
+        # A MERGE of a row without a value for it fails, after the whole training run.
+        raise SchemaError(
+            f"{table_id}: column(s) {', '.join(required)} are REQUIRED, and a run may have "
+            "no value for them: make them NULLABLE (ALTER TABLE ... ALTER COLUMN ... DROP "
+            "NOT NULL), or land into another metrics.dataset"
+        )
     return {f.name: f.field_type for f in existing.schema}
 
 
