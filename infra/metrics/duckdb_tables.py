@@ -50,7 +50,9 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
         SchemaError: the name holds a view, or a column's type or the primary key differs.
     """
     kinds = con.execute(
-        "SELECT table_type FROM information_schema.tables WHERE table_name = ?", [model.table]
+        "SELECT table_type FROM information_schema.tables "
+        "WHERE table_name = ? AND table_schema = current_schema()",
+        [model.table],
     ).fetchall()
     if kinds and kinds[0][0] != "BASE TABLE":
         # CREATE TABLE IF NOT EXISTS passes over a view of the name, and landing then failed.
@@ -62,7 +64,7 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
     found = dict(
         con.execute(
             "SELECT column_name, data_type FROM information_schema.columns "
-            "WHERE table_name = ?",
+            "WHERE table_name = ? AND table_schema = current_schema()",
             [model.table],
         ).fetchall()
     )
@@ -78,7 +80,8 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
             )
     keys = con.execute(
         "SELECT constraint_column_names FROM duckdb_constraints() "
-        "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'",
+        "WHERE table_name = ? AND schema_name = current_schema() "
+        "AND constraint_type = 'PRIMARY KEY'",
         [model.table],
     ).fetchall()
     key = tuple(keys[0][0]) if keys else ()
@@ -89,4 +92,3 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
             "replaces a run's rows by that key; recreate the table with it, or land into "
             "another metrics file"
         )
-
