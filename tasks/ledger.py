@@ -17,16 +17,17 @@ Billing window of an attempt, in chip-hours = chips × window ÷ 3600:
   slice, the next attempt's, the flow's teardown (of a finished run too), its crash and
   cancellation hooks, or the reaper (`tasks.teardown`) records `leftover_deleted` with the
   attempt's number, read from the slice's `attempt` label, and the slice's state; when that
-  was READY or CREATING the window ends there, past `attempt_ended` (the node ran on after
-  the attempt ended); the later of the two when an attempt has both. A copy found
-  PREEMPTED or TERMINATED (on gcp a stopped node; locally, processes that had ended) was
-  billed no more since a time nobody saw: its window ends with the attempt, and errs low
-  by any time the node stayed READY after it. An attempt with neither (its slice was
-  already gone; the reaper, with another storage root than the run's, deleted it: it
-  knows a slice's run id and root hash, so it finds only the run directories under its
-  own root; or the slice has no `attempt` label, made by an older version) is billed to
-  its end (`attempt_ended`, else its last event), and errs low by the node's time after
-  that.
+  stood for a live node (READY or CREATING; TERMINATED too: a local slice's workload had
+  ended, and a TPU node whose workload ended stays READY until deleted; a stopped gcp
+  node, also TERMINATED, errs high) the window ends there, past `attempt_ended` (the node
+  ran on after the attempt ended); the later of the two when an attempt has both. A copy
+  found PREEMPTED was billed no more since a time nobody saw: its window ends with the
+  attempt, and errs low by any time the node stayed READY after it. An attempt with
+  neither (its slice was already gone; the reaper, with another storage root than the
+  run's, deleted it: it knows a slice's run id and root hash, so it finds only the run
+  directories under its own root; or the slice has no `attempt` label, made by an older
+  version) is billed to its end (`attempt_ended`, else its last event), and errs low by
+  the node's time after that.
 - A node that came up after its orchestrator died (killed during the create, or while a
   spot request waited) has no `provision_ready`; deleted READY by a later orchestrator,
   it is billed from the request (on demand) or its workload's first event (spot) to that
@@ -152,10 +153,11 @@ def _unseen_node_window(events: list[dict], capacity: str) -> tuple[float, float
     return start, max(left[-1], start)
 
 
-# States of a left copy that Google bills until its deletion: a node being created or
-# READY (the state of a local slice's live processes too). A PREEMPTED or TERMINATED one
-# was not billed at its deletion, nor a local slice whose processes had ended.
-BILLED_LEFTOVER_STATES = frozenset({"READY", "CREATING"})
+# States of a left copy that stood for a billed node until its deletion: one being created
+# or READY, and TERMINATED, which is how a local slice says its workload ended: a TPU node
+# whose workload ended (killed with its orchestrator, or finished) stays READY, billed,
+# until it is deleted. A PREEMPTED node was not billed any more.
+BILLED_LEFTOVER_STATES = frozenset({"READY", "CREATING", "TERMINATED"})
 
 
 def _billed_until(event: dict) -> bool:

@@ -89,11 +89,13 @@ def test_an_attempt_s_own_delete_and_a_later_leftover_bill_to_the_later():
     assert billing_window(events[:-1], "on-demand") == (0, 16)
 
 
-@pytest.mark.parametrize("state", ["TERMINATED", "PREEMPTED"])
-def test_a_left_slice_found_no_longer_ready_is_billed_to_its_attempt_s_end(state):
-    # Its processes had ended (local) or Google had stopped or preempted the node: it was
-    # not billed until the rerun deleted it, days later maybe (the probe's idle 2 minutes
-    # billed an attempt of 49.5 s for 195.8 s).
+def test_a_left_slice_found_preempted_is_billed_to_its_attempt_s_end():
+    # Google had preempted the node: it was not billed until the rerun deleted it, days
+    # later maybe. A TERMINATED local slice (its workload ended) stands for a node still
+    # READY, billed to its deletion as before.
+    state = "PREEMPTED"
+    ended = [*killed(True), {**LEFT, "state": "TERMINATED"}, *rerun()]
+    assert compute_ledger(ended, PRICE, tokens_per_step=512).attempts[0].billed_to == 999.5
     events = [*killed(True), {**LEFT, "state": state}, *rerun()]
     first, second = compute_ledger(events, PRICE, tokens_per_step=512).attempts
     assert (first.billed_from, first.billed_to) == (0, 15)  # its attempt_ended
@@ -124,6 +126,6 @@ def test_a_node_that_came_up_after_its_orchestrator_died_is_billed_until_deleted
     (attempt,) = compute_ledger(events, price, tokens_per_step=512).attempts
     start = 0 if capacity == "on-demand" else 300  # spot: READY by its workload's start
     assert (attempt.billed_from, attempt.billed_to) == (start, 3600.0)
-    # Deleted when no longer READY: billed nothing, as before.
-    gone = [*events[:3], {**LEFT, "time": 3600.0, "state": "TERMINATED"}]
+    # Deleted when no longer billed (preempted): billed nothing, as before.
+    gone = [*events[:3], {**LEFT, "time": 3600.0, "state": "PREEMPTED"}]
     assert compute_ledger(gone, price, tokens_per_step=512).attempts[0].billed_from is None
