@@ -28,10 +28,9 @@ def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
     Raises:
         ConfigError: naming each trial, the overrides it got and what is wrong with them.
     """
-    base = config.base.model_dump(mode="json")
-    fill = config.base._mesh_fill
-    if fill is not None:  # the base's -1 axis takes each trial's slice.devices into account
-        base["mesh"][fill] = -1
+    # As written: what the base's sections filled in themselves (a size preset's dimensions,
+    # a TPU type's devices, a mesh axis given as -1) fills in again from each trial's values.
+    base = config.base.as_written()
     trials, problems = [], []
     for index, params in enumerate(expand_space(config.space)):
         run_name = f"{sweep_id}-t{index:02d}"

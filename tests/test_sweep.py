@@ -23,6 +23,7 @@ from tasks.sweep_results import (
 from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, expand_space
 from tasks.sweep_trials import build_trials
 from tests.helpers import tiny_config
+from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 
 T0 = datetime(2026, 11, 22, 6, 0, tzinfo=UTC)
@@ -100,6 +101,47 @@ def test_a_base_mesh_axis_of_minus_one_fills_each_trials_devices(tmp_path):
     fixed = tiny_config(tmp_path, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
     with pytest.raises(ConfigError, match=r"8\*1\*1 = 8 does not equal slice\.devices = 2"):
         build_trials(SweepConfig(base=fixed, space=SearchSpace(grid={"slice.devices": [2]})), "sw")
+
+
+def test_a_trial_fills_in_again_what_its_base_s_sections_filled_in(tmp_path):
+    # Built on the validated base, every trial of a size sweep trained tiny's dimensions,
+    # and a trial on the user's own corpus read it with the stdlib corpus's lenient
+    # `errors: replace`. As a file gives it, and as a deployment's JSON parameter does
+    # (every field, the filled-in ones too):
+    written = {"model": {"size": "tiny"}, "storage": {"root": str(tmp_path)}}
+    as_file = PipelineConfig.model_validate(written)
+    as_json = PipelineConfig.model_validate(as_file.model_dump(mode="json"))
+    grid = {"model.size": ["tiny", "small"], "dataset.sources": [["stdlib"], [str(tmp_path)]]}
+    for base in (as_file, as_json):
+        trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+        assert [
+            (t.config.model.d_model, t.config.model.n_layers, t.config.dataset.errors)
+            for t in trials
+        ] == [(128, 2, "replace"), (128, 2, "strict"), (512, 4, "replace"), (512, 4, "strict")]
+    # What the base gives itself stays, for every trial.
+    written["model"]["d_model"] = 64
+    written["dataset"] = {"errors": "strict"}
+    base = PipelineConfig.model_validate(written)
+    trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+    assert {(t.config.model.d_model, t.config.dataset.errors) for t in trials} == {(64, "strict")}
+
+
+def test_a_sweep_over_tpu_types_gives_each_trial_its_type_s_devices(tmp_path):
+    # It was refused: every trial kept the base type's 8 devices, a field the user never set.
+    gcp = {"provider": "gcp", "project": "my-project-1", "zone": "us-central1-a"}
+    gcp |= {"accelerator_type": "v5litepod-8", "runtime_version": "v2-alpha-tpuv5-lite"}
+    gcp |= {"wheel": "gs://my-bucket/tpupipe-0-py3-none-any.whl"}
+    base = tiny_config(tmp_path, "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1")
+    base = PipelineConfig.model_validate(
+        {**base.as_written(), "slice": gcp, "storage": {"root": "gs://my-bucket/root"}}
+    )
+    grid = {"slice.accelerator_type": ["v5litepod-8", "v5litepod-4", "v5litepod-16"]}
+    trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
+    assert [(t.config.slice.devices, t.config.slice.hosts, t.config.mesh.data) for t in trials] == [
+        (8, 1, 8),
+        (4, 1, 4),
+        (16, 4, 16),
+    ]
 
 
 class FakeLimits:

@@ -85,17 +85,21 @@ class DatasetConfig(_Strict):
         ),
     )
 
+    @classmethod
+    def filled_in(cls, data: dict) -> dict[str, Any]:
+        """`errors: replace` for the stdlib corpus alone.
+
+        The default corpus must train as it is: the nightly deployment and a UI run with
+        no dataset given use it, and strict decoding refused its 4 non-UTF-8 test files.
+        A user's own corpus keeps strict decoding unless asked, and so does an explicit
+        `errors: strict`.
+        """
+        return {"errors": "replace"} if data.get("sources", ["stdlib"]) == ["stdlib"] else {}
+
     @model_validator(mode="before")
     @classmethod
     def _stdlib_reads_with_replace(cls, data: Any) -> Any:
-        # The default corpus must train as it is: the nightly deployment and a UI run with
-        # no dataset given use it, and strict decoding refused its 4 non-UTF-8 test files.
-        # A user's own corpus keeps strict decoding unless asked, and so does an explicit
-        # `errors: strict`.
-        stdlib_alone = isinstance(data, dict) and data.get("sources", ["stdlib"]) == ["stdlib"]
-        if stdlib_alone and "errors" not in data:
-            return {**data, "errors": "replace"}
-        return data
+        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
 
     @field_validator("sources")
     @classmethod

@@ -51,14 +51,17 @@ class ModelConfig(_Strict):
         "float32", description="Dtype of the master parameters and optimizer state."
     )
 
+    @classmethod
+    def filled_in(cls, data: dict) -> dict[str, Any]:
+        """The named size's dimensions."""
+        size = data.get("size")
+        # isinstance first: `size: [a]` is unhashable here; the Literal field reports it.
+        return dict(MODEL_SIZES[size]) if isinstance(size, str) and size in MODEL_SIZES else {}
+
     @model_validator(mode="before")
     @classmethod
     def _apply_size(cls, data: Any) -> Any:
-        size = data.get("size") if isinstance(data, dict) else None
-        # isinstance first: `size: [a]` is unhashable here; the Literal field reports it.
-        if isinstance(size, str) and size in MODEL_SIZES:
-            return {**MODEL_SIZES[size], **data}
-        return data
+        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
 
 
 def padded_vocab_size(vocab_size: int) -> int:

@@ -175,17 +175,22 @@ class SliceConfig(_Strict):
         default_factory=ChaosConfig, description="local: injected preemptions and failures."
     )
 
+    @classmethod
+    def filled_in(cls, data: dict) -> dict[str, Any]:
+        """On gcp, the devices and hosts the TPU type fixes."""
+        if data.get("provider") != "gcp":
+            return {}
+        try:
+            devices, hosts = tpu_topology(str(data.get("accelerator_type") or ""))
+        except ValueError:
+            return {}  # reported with the field's context by _gcp_fields
+        return {"devices": devices, "hosts": hosts}
+
     @model_validator(mode="before")
     @classmethod
     def _topology_from_accelerator(cls, data: Any) -> Any:
         # A TPU type fixes devices and hosts: fill them in unless the user wrote them.
-        if isinstance(data, dict) and data.get("provider") == "gcp":
-            try:
-                devices, hosts = tpu_topology(str(data.get("accelerator_type") or ""))
-            except ValueError:
-                return data  # reported with the field's context by _gcp_fields
-            return {"devices": devices, "hosts": hosts, **data}
-        return data
+        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _lifetime_covers_start_up(self) -> SliceConfig:

@@ -31,6 +31,12 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @classmethod
+    def filled_in(cls, data: dict) -> dict[str, Any]:
+        """The fields this section fills in itself from the others in `data` (its input)
+        where they are not given: none here."""
+        return {}
+
     @field_validator("*", mode="after")
     @classmethod
     def _fits_64_bits(cls, value: Any) -> Any:
