@@ -117,8 +117,7 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         max_parallel=config.max_parallel or len(trials),
         base=config.base,
     )
-    # The limit bounds the trials in flight too: the quota over the chips a trial takes.
-    at_once = min(plan.max_parallel, max(1, chips // max(t.chips for t in trials)))
+    at_once = min(plan.max_parallel, _most_at_once(chips, [t.chips for t in trials]))
     get_run_logger().info(
         "sweep %s: %d trials as %ss, at most %d at once, limit %r of %d chips",
         sweep_id,
@@ -129,6 +128,18 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         chips,
     )
     return plan
+
+
+def _most_at_once(quota: int, chips: list[int]) -> int:
+    """The most trials the chip limit admits at once: the smallest ones first (trials of
+    mixed slice sizes fit more than the quota over the largest one)."""
+    fit, used = 0, 0
+    for need in sorted(chips):
+        used += need
+        if used > quota:
+            break
+        fit += 1
+    return max(1, fit)
 
 
 @contextmanager

@@ -307,3 +307,8 @@ def test_the_plan_s_log_counts_the_trials_the_chip_limit_admits_at_once(
     )
     flow(lambda: sweep_plan.plan_sweep.fn(config, None, False), name="plan")()
     assert any("3 trials as subflows, at most 1 at once" in line for line in said), said
+    # Trials of mixed sizes: two of 4 chips fit a quota of 12 beside each other (it said
+    # 12 // 8 = 1).
+    assert sweep_plan._most_at_once(12, [8, 4, 8, 4]) == 2
+    assert sweep_plan._most_at_once(12, [4, 4, 4, 8]) == 3
+    assert sweep_plan._most_at_once(8, [16]) == 1
