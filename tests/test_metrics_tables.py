@@ -35,6 +35,22 @@ def test_a_column_a_user_added_is_left_alone_and_rows_still_read(tmp_path):
     assert sink.query("SELECT count(*) FROM runs") == [(1,)]
 
 
+def test_names_match_as_duckdb_matches_them_whatever_their_case(tmp_path):
+    # A table made as "Runs" with "Run_Id": the check looked up run_id case-sensitively,
+    # tried to add it, and DuckDB refused ("Column with name run_id already exists!").
+    path = str(tmp_path / "metrics.duckdb")
+    with duckdb.connect(path) as con:
+        con.execute(
+            'CREATE TABLE "Runs" ("Run_Id" VARCHAR PRIMARY KEY, "Status" VARCHAR, '
+            "note VARCHAR NOT NULL DEFAULT 'none')"  # a column with a default takes any row
+        )
+    sink = DuckDBSink(path)
+    sink.land(run_row(), steps(), evals())
+    sink.land(run_row(), steps(), evals())
+    assert sink.read_run("run-1").status == run_row().status
+    assert sink.query("SELECT count(*), min(note) FROM runs") == [(1, "none")]
+
+
 def test_a_table_made_without_a_column_gets_it(tmp_path):
     path = str(tmp_path / "metrics.duckdb")
     with duckdb.connect(path) as con:  # by hand: config_hash missing, as the probe's was
@@ -63,8 +79,44 @@ def test_a_table_made_without_a_column_gets_it(tmp_path):
             r"eval_metrics has primary key \(run_id\), not \(run_id, step, split\)",
         ),
         (["DROP TABLE runs", "CREATE VIEW runs AS SELECT 1 AS run_id"], r"runs is a view"),
+        # Each of these passed the check and failed the landing, after training.
+        (
+            ["ALTER TABLE runs ALTER COLUMN cost_usd SET NOT NULL"],
+            r"runs: column cost_usd is NOT NULL, and rows may leave it empty",
+        ),
+        (
+            [
+                "DROP TABLE runs",
+                "CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, note TEXT NOT NULL)",
+            ],
+            r"column note is NOT NULL with no default, and rows do not set it",
+        ),
+        (
+            [
+                "DROP TABLE runs",
+                "CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, config_hash VARCHAR UNIQUE)",
+            ],
+            r"runs: constraint UNIQUE\(config_hash\): landing would fail",
+        ),
+        (
+            [
+                "DROP TABLE runs",
+                "CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, "
+                "status VARCHAR CHECK (status = 'completed'))",
+            ],
+            r"runs: constraint CHECK\(\(status = 'completed'\)\)",
+        ),
     ],
-    ids=["column-type", "no-key", "other-key", "view"],
+    ids=[
+        "column-type",
+        "no-key",
+        "other-key",
+        "view",
+        "not-null",
+        "extra-not-null",
+        "unique",
+        "check",
+    ],
 )
 def test_a_table_landing_cannot_use_is_refused_by_name(tmp_path, statements, said):
     sink = DuckDBSink(_file(tmp_path, *statements))

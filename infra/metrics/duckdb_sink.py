@@ -167,8 +167,10 @@ class DuckDBSink:
             columns = ", ".join(RunRow.model_fields)
             cur = con.execute(f"SELECT {columns} FROM runs WHERE run_id = ?", [run_id])
             row = cur.fetchone()
-            names = [d[0] for d in cur.description]
-        return None if row is None else RunRow.model_validate(dict(zip(names, row, strict=True)))
+        # By the model's names: DuckDB names a result column as the table spells it ("Run_Id").
+        if row is None:
+            return None
+        return RunRow.model_validate(dict(zip(RunRow.model_fields, row, strict=True)))
 
     def query(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple]:
         """Run one SQL statement and return all its rows (timestamps come back in UTC).

@@ -8,7 +8,8 @@ run landed, after the whole training run, with DuckDB's own words ("Referenced u
 column config_hash not found in table!"), and a column of another type (an INTEGER
 `eval_loss`) silently changed the values stored (3.8 landed as 4). Now a missing column is
 added (nullable, as BigQuery's migration does), and an object that is not a table, a
-column of another type or another primary key is refused (`SchemaError`) naming the table,
+column of another type, another primary key or a constraint that would refuse a row (a
+NOT NULL, UNIQUE or CHECK made by hand) is refused (`SchemaError`) naming the table,
 the column and what to do; the run checks this before it provisions anything
 (`tasks.run_owner`). Columns the models do not know are left alone: reading a row picks
 the models' own columns.
@@ -26,7 +27,8 @@ _CATALOG_TYPES = {"TIMESTAMPTZ": "TIMESTAMP WITH TIME ZONE"}
 
 class SchemaError(RuntimeError):
     """An existing table of the metrics file differs from its row model in a way landing
-    cannot migrate: not a table, a column of another type, another primary key."""
+    cannot migrate: not a table, a column of another type, another primary key, or a
+    constraint that would refuse the model's rows."""
 
 
 def create_table_sql(model: type[TableRow]) -> str:
@@ -46,12 +48,17 @@ def create_table_sql(model: type[TableRow]) -> str:
 def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None:
     """Create `model`'s table, or add the columns an older one lacks, and check it.
 
+    Names are matched as DuckDB matches them, ignoring case: a table made by hand as
+    `"Runs"` with a column `"Run_Id"` is the model's (a case-sensitive look-up found no
+    `run_id` and tried to add it, which DuckDB refused).
+
     Raises:
-        SchemaError: the name holds a view, or a column's type or the primary key differs.
+        SchemaError: the name holds a view, a column's type or the primary key differs,
+            or the table would refuse rows the model lands (see `_refusals`).
     """
     kinds = con.execute(
         "SELECT table_type FROM information_schema.tables "
-        "WHERE table_name = ? AND table_schema = current_schema()",
+        "WHERE lower(table_name) = ? AND table_schema = current_schema()",
         [model.table],
     ).fetchall()
     if kinds and kinds[0][0] != "BASE TABLE":
@@ -61,30 +68,33 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
             f"into it; rename it, or land into another metrics file"
         )
     con.execute(create_table_sql(model))
-    found = dict(
-        con.execute(
-            "SELECT column_name, data_type FROM information_schema.columns "
-            "WHERE table_name = ? AND table_schema = current_schema()",
+    found = {
+        name.lower(): (kind, nullable == "YES", default)
+        for name, kind, nullable, default in con.execute(
+            "SELECT column_name, data_type, is_nullable, column_default "
+            "FROM information_schema.columns "
+            "WHERE lower(table_name) = ? AND table_schema = current_schema()",
             [model.table],
         ).fetchall()
-    )
+    }
     for column in table_schema(model):
         wanted = _CATALOG_TYPES.get(column.type, column.type)
         if column.name not in found:  # an older version's table, or one made by hand
             con.execute(f"ALTER TABLE {model.table} ADD COLUMN {column.name} {column.type}")
-        elif found[column.name] != wanted:
+        elif found[column.name][0] != wanted:
             raise SchemaError(
-                f"{model.table}.{column.name} is {found[column.name]}, not {wanted}: values "
+                f"{model.table}.{column.name} is {found[column.name][0]}, not {wanted}: values "
                 f"landed in it would be converted (a loss of 3.8 stored as 4 in an "
                 f"INTEGER); change the column's type, or land into another metrics file"
             )
-    keys = con.execute(
-        "SELECT constraint_column_names FROM duckdb_constraints() "
-        "WHERE table_name = ? AND schema_name = current_schema() "
-        "AND constraint_type = 'PRIMARY KEY'",
+    constraints = con.execute(
+        "SELECT constraint_type, constraint_column_names, constraint_text "
+        "FROM duckdb_constraints() "
+        "WHERE lower(table_name) = ? AND schema_name = current_schema()",
         [model.table],
     ).fetchall()
-    key = tuple(keys[0][0]) if keys else ()
+    keys = [cols for kind, cols, _ in constraints if kind == "PRIMARY KEY"]
+    key = tuple(c.lower() for c in keys[0]) if keys else ()
     if key != model.primary_key:
         said = f"primary key ({', '.join(key)})" if key else "no primary key"
         raise SchemaError(
@@ -92,3 +102,31 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
             "replaces a run's rows by that key; recreate the table with it, or land into "
             "another metrics file"
         )
+    if problems := _refusals(model, found, constraints):
+        raise SchemaError(
+            f"{model.table}: {'; '.join(problems)}: landing would fail after the whole "
+            "training run; drop them (ALTER TABLE), or land into another metrics file"
+        )
+
+
+def _refusals(model: type[TableRow], found: dict, constraints: list) -> list[str]:
+    """What of a table made or changed by hand would refuse rows the model lands: a NOT
+    NULL on a column the model leaves empty, a NOT NULL column it does not know with no
+    default, a UNIQUE, CHECK or FOREIGN KEY constraint. Each passed the check before
+    provisioning, and the run failed at landing ("NOT NULL constraint failed:
+    runs.cost_usd" for an unpriced run)."""
+    nullable = {c.name: c.nullable for c in table_schema(model)}
+    problems = []
+    for name, (_, may_be_null, default) in found.items():
+        if may_be_null or nullable.get(name) is False:
+            continue
+        if name in nullable:
+            problems.append(f"column {name} is NOT NULL, and rows may leave it empty")
+        elif default is None:
+            problems.append(f"column {name} is NOT NULL with no default, and rows do not set it")
+    problems += [
+        f"constraint {text}"
+        for kind, _, text in constraints
+        if kind in ("UNIQUE", "CHECK", "FOREIGN KEY")
+    ]
+    return problems
