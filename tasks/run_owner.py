@@ -66,7 +66,7 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
     """Why `row`, the landed `runs` row of this run's name (or None), is not this run's to
     replace, or None. A row that names no run directory (landed before the column
     existed) is taken as this run's."""
-    if row is None or row.run_dir is None or row.run_dir == plan.run_dir:
+    if row is None or row.run_dir is None or same_directory(row.run_dir, plan.run_dir):
         return None
     metrics = config.metrics
     where = (
@@ -80,3 +80,17 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
         f"run's directory is {plan.run_dir}. Its rows would be replaced by and mixed with "
         "this run's: give this run another run_name, or another metrics sink"
     )
+
+
+def same_directory(landed: str, ours: str) -> bool:
+    """Whether two run directories are one: the same path, or local paths to one directory
+    (a storage root reached through a symlink, `~/proj` against `/home/u/proj`). The run
+    of a symlinked root was refused as another directory's, its own row in the way."""
+    if landed == ours:
+        return True
+    if "://" in landed or "://" in ours:
+        return False
+    try:
+        return os.path.samefile(landed, ours)
+    except OSError:  # one is gone (deleted, or not made yet): by where the links lead
+        return os.path.realpath(landed) == os.path.realpath(ours)

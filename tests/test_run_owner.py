@@ -61,3 +61,21 @@ def test_the_same_run_and_a_name_not_landed_pass(tmp_path):
     check_run_owner(config, plan)
     other = tiny_config(tmp_path / "root", f"metrics.path={shared}", "run_name=other")
     check_run_owner(other, plan_run(other))
+
+
+def test_the_same_run_reached_through_a_symlinked_root_passes(tmp_path):
+    # Landed from the real root, refused through a link to it as "another run directory".
+    shared = tmp_path / "shared.duckdb"
+    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    plan = plan_run(config)
+    (tmp_path / "root" / "runs" / "tiny").mkdir(parents=True)
+    _land(shared, plan.run_dir)
+    (tmp_path / "link").symlink_to(tmp_path / "root")
+    linked = tiny_config(tmp_path / "link", f"metrics.path={shared}")
+    check_run_owner(linked, plan_run(linked))
+    (tmp_path / "root" / "runs" / "tiny").rmdir()  # gone: by where the link leads
+    check_run_owner(linked, plan_run(linked))
+    (tmp_path / "other").mkdir()
+    elsewhere = tiny_config(tmp_path / "other", f"metrics.path={shared}")
+    with pytest.raises(ConfigError, match="from another run directory"):
+        check_run_owner(elsewhere, plan_run(elsewhere))
