@@ -64,10 +64,16 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(args.config, config, price)
     _prefect_defaults()
     from flows.pipeline import tpu_training_pipeline
-    from tasks.plan import metrics_path
+    from tasks.plan import metrics_path, new_run_name
     from tasks.prepare import DatasetError, DatasetWriteError
     from tasks.run_lock import RunInUse
 
+    # Named here, not in the flow, so the lines below can say how to resume an unnamed run:
+    # it said "run None stopped by Ctrl-C; run it again", and again made a new run.
+    again = "run it again"
+    if config.run_name is None:
+        config = config.model_copy(update={"run_name": new_run_name()})
+        again = f"run it again with --set run_name={config.run_name}"
     try:
         with orchestrate_here():
             run = tpu_training_pipeline(config=config)
@@ -76,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT (130 in a shell), so a script running it stops too.
         with contextlib.suppress(OSError):  # stderr went with the terminal
             print(
-                f"run {config.run_name} stopped by Ctrl-C; run it again to resume it",
+                f"run {config.run_name} stopped by Ctrl-C; {again} to resume it",
                 file=sys.stderr,
             )
         sys.excepthook = quiet_interrupt  # not the ~45 lines of where the interrupt landed
         raise
     except DatasetWriteError as exc:  # the machine's trouble (a full disk), not the input's
-        print(f"pipeline failed: {exc}", file=sys.stderr)
+        print(f"pipeline failed: {exc}\n(run {config.run_name}: {again} to go on)", file=sys.stderr)
         return 1
     except (ConfigError, DatasetError) as exc:
         # The config or its input must change (the flow raises these before provisioning).
@@ -92,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not started:\n{exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        print(f"pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"pipeline failed: {type(exc).__name__}: {exc}\n"
+            f"(run {config.run_name}: {again} to resume it)",
+            file=sys.stderr,
+        )
         return 1
     print(
         f"\nrun {run.run_id} {run.status}: {run.final_step} steps, "

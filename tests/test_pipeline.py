@@ -472,6 +472,34 @@ def test_cli_exit_code_tells_bad_input_from_a_dataset_it_could_not_write(
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stop", [RuntimeError("slice lost"), KeyboardInterrupt()])
+def test_the_cli_names_an_unnamed_run_and_how_to_resume_it(tmp_path, capsys, monkeypatch, stop):
+    # It said "run None stopped by Ctrl-C; run it again to resume it": run again, the
+    # config made a new run, from step 0.
+    from flows import cli, pipeline
+
+    ran = []
+
+    def stops(config):
+        ran.append(config.run_name)
+        raise stop
+
+    monkeypatch.setattr(pipeline, "tpu_training_pipeline", stops)
+    monkeypatch.setattr(cli, "orchestrate_here", contextlib.nullcontext)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({**tiny_config(tmp_path).model_dump(mode="json"), "run_name": None}))
+    if isinstance(stop, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(["run", "--config", str(path)])
+    else:
+        assert cli.main(["run", "--config", str(path)]) == 1
+    (name,) = ran
+    assert name and name.startswith("run-")
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert f"run {name}" in last and f"again with --set run_name={name} to resume it" in last
+
+
 def test_an_eval_split_gone_after_training_is_an_evaluation_error(tmp_path, monkeypatch):
     # Deleting the dataset during training exited 2 at evaluation ("invalid config or
     # input"), although the input had been accepted and a slice had trained on it.
