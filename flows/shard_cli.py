@@ -145,16 +145,16 @@ def _run(args: argparse.Namespace) -> int:
             flag = _FLAGS.get(str(err["loc"][0]), "--source") if err["loc"] else "options"
             print(f"  {flag}: {err['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
-    from workloads.config_infra import gs_place_problem
+    from workloads.config_infra import place_problem
     from workloads.listing import check_out_root
     from workloads.sources import DatasetError
 
     remote = args.out.startswith("gs://")
-    try:  # an option conflict (exit 2), not bad input: checked before any source is read
-        if "://" in args.out and not remote:
-            raise DatasetError(f"{args.out!r}: a datasets directory is local or gs://")
-        if (problem := gs_place_problem(args.out)) is not None:
-            raise DatasetError(f"{args.out!r}: {problem}")
+    # Option conflicts (exit 2), not bad input: checked before any source is read.
+    if (problem := place_problem(args.out, "--out")) is not None:
+        print(f"invalid options:\n  {problem}", file=sys.stderr)
+        return 2
+    try:
         if not remote:
             check_out_root(cfg.sources, args.out)
     except DatasetError as exc:

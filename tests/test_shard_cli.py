@@ -6,6 +6,8 @@ import errno
 import re
 from pathlib import Path
 
+import pytest
+
 from flows.cli import main
 from tasks.prepare import ArtifactProgress
 from tests.test_data import make_corpus
@@ -92,6 +94,27 @@ def test_a_blank_source_is_an_invalid_option_in_the_cli_and_the_config(tmp_path,
         capsys.readouterr().err
     )
     assert not Path(out).exists()
+
+
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        ("", "--out is empty"),  # an unset variable: the dataset went into the working directory
+        (" ", "--out is empty"),
+        ("~/ds", "--out '~/ds' starts with ~, which is not expanded here"),  # it made ./~/ds
+        ("s3://b/ds", "--out 's3://b/ds': s3:// is not supported"),
+        ("gs://", "--out 'gs://' names no bucket"),
+    ],
+)
+def test_shard_command_refuses_an_out_as_storage_root_is_refused(
+    tmp_path, capsys, monkeypatch, out, said
+):
+    corpus = make_corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["shard", "--source", str(corpus), "--out", out]) == 2
+    assert capsys.readouterr().err.startswith(f"invalid options:\n  {said}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
 def test_shard_command_refuses_an_out_that_is_the_source(tmp_path, capsys):

@@ -47,27 +47,38 @@ class StorageConfig(_Strict):
     @field_validator("root")
     @classmethod
     def _a_place_runs_can_live(cls, value: str) -> str:
-        # Anything but gs:// is a local path, so these became odd local directories:
-        # `s3://b/x` was ./s3:/b/x, `~/x` was ./~/x (nothing expands ~) and an empty root
-        # was the working directory, where a run then wrote its checkpoints silently.
-        if not value.strip():
-            raise ValueError("storage.root is empty: give a directory or gs://bucket/prefix")
-        if value.startswith("gs://") and not value[5:].split("/", 1)[0]:
-            raise ValueError(f"storage.root {value!r} names no bucket")
-        if (problem := gs_place_problem(value)) is not None:
-            raise ValueError(f"storage.root {value!r}: {problem}")
-        scheme = value.split("://", 1)[0] if "://" in value else None
-        if scheme is not None and scheme != "gs":
-            raise ValueError(
-                f"storage.root {value!r}: {scheme}:// is not supported; give a local "
-                "directory or gs://bucket/prefix"
-            )
-        if value.startswith("~"):
-            raise ValueError(
-                f"storage.root {value!r} starts with ~, which is not expanded here: give "
-                "the directory's absolute path (or one relative to the working directory)"
-            )
+        if (problem := place_problem(value, "storage.root")) is not None:
+            raise ValueError(problem)
         return value
+
+
+def place_problem(value: str, name: str) -> str | None:
+    """What is wrong with `value`, given as `name`, as a place for runs or datasets (a local
+    directory or gs://bucket/prefix), or None.
+
+    Anything but gs:// is a local path, so these became odd local directories: `s3://b/x`
+    was ./s3:/b/x, `~/x` was ./~/x (nothing expands ~) and an empty value was the working
+    directory, where a run then wrote its checkpoints (and `tpupipe shard --out "$UNSET"`
+    its dataset) silently.
+    """
+    if not value.strip():
+        return f"{name} is empty: give a directory or gs://bucket/prefix"
+    if value.startswith("gs://") and not value[5:].split("/", 1)[0]:
+        return f"{name} {value!r} names no bucket"
+    if (problem := gs_place_problem(value)) is not None:
+        return f"{name} {value!r}: {problem}"
+    scheme = value.split("://", 1)[0] if "://" in value else None
+    if scheme is not None and scheme != "gs":
+        return (
+            f"{name} {value!r}: {scheme}:// is not supported; give a local directory or "
+            "gs://bucket/prefix"
+        )
+    if value.startswith("~"):
+        return (
+            f"{name} {value!r} starts with ~, which is not expanded here: give the "
+            "directory's absolute path (or one relative to the working directory)"
+        )
+    return None
 
 
 # Cloud Storage's bucket names: lowercase letters, digits, "-", "_" and ".", 3-222 long.
