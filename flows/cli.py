@@ -14,7 +14,7 @@ import os
 import sys
 
 from flows import report_cli, shard_cli
-from flows.cli_options import add_overrides
+from flows.cli_options import add_overrides, say
 from flows.local_run import exit_on_signals, orchestrate_here, quiet_interrupt
 from workloads.config_file import ConfigError, load_config
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    print(
+    say(
         f"\nrun {run.run_id} {run.status}: {run.final_step} steps, "
         f"train loss {_f(run.train_loss_first)} -> {_f(run.train_loss_last)}, "
         f"eval loss {_f(run.eval_loss)} ({_f(run.eval_bits_per_byte)} bits/byte)\n"
@@ -134,7 +134,7 @@ def _validate(path: str, config, price) -> int:
         print(f"invalid config or input:\n{exc}", file=sys.stderr)
         return 2
     unchecked = f" ({len(remote)} remote source(s) checked when the run starts)" if remote else ""
-    print(
+    say(
         f"{path}: valid\n  sources: {files} local file(s){unchecked}\n"
         f"  cost: {price.chips} chips, {price.describe()}"
     )

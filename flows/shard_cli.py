@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flows.cli_options import say
 from flows.local_run import quiet_interrupt
 from workloads.config import DatasetConfig
 
@@ -229,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
         f"eval sequences of {result.manifest['seq_len']} tokens",
         file=sys.stderr,
     )
-    print(result.dataset_dir)
+    say(result.dataset_dir)
     return 0
 
 

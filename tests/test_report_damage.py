@@ -186,3 +186,27 @@ def test_a_report_without_a_readable_config_does_not_count_zero_tokens(tmp_path,
     code, out, _ = _report(tmp_path, capsys)
     assert code == 0 and "0 training tokens" not in out
     assert "steps that count: 60 (tokens unknown: no readable config.json)" in out
+
+
+def test_a_reader_that_goes_away_ends_the_output_not_the_report(tmp_path):
+    # `tpupipe report RUN | head -1` with an unbuffered stdout (PYTHONUNBUFFERED=1, as in
+    # many containers and CI runners) ended in a BrokenPipeError traceback, exit 1.
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    run_dir = fake_run(tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "report", "three", "--root", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    child.stdout.close()  # the reader is gone before the first line
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert (run_dir / "report.png").stat().st_size > 0  # the rest of its work is done
