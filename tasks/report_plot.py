@@ -8,6 +8,7 @@ import io
 from etils import epath
 
 from tasks.report import REPORT_PNG, RunReport, origin
+from workloads.rundir import write_bytes_atomic
 
 # One colour per bucket: productive green, waste in warm colours, set-up in cool ones.
 COLOURS = {
@@ -50,7 +51,7 @@ def write_report_png(report: RunReport, path: str | None = None) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     out = epath.Path(path) if path else epath.Path(report.run_dir) / REPORT_PNG
-    out.write_bytes(buffer.getvalue())
+    write_bytes_atomic(out, buffer.getvalue())  # a full disk left a 0-byte report.png
     return str(out)
 
 

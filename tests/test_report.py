@@ -95,6 +95,31 @@ def test_an_unpriced_run_reports_chip_hours_without_cost(tmp_path, capsys):
     assert not (tmp_path / "runs" / "three" / "report.png").exists()
 
 
+def test_a_plot_the_disk_cannot_hold_leaves_the_old_one_and_no_stray_file(
+    tmp_path, capsys, monkeypatch
+):
+    # On a full disk the report said it could not write the plot, and left a 0-byte
+    # report.png in the run directory.
+    import errno
+
+    from etils import epath
+
+    run_dir = fake_run(tmp_path)
+    png = run_dir / "report.png"
+    png.write_bytes(b"the last plot")
+    real = epath.Path.write_bytes
+
+    def full(self, data):
+        real(self, data[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(epath.Path, "write_bytes", full)
+    assert cli_main(["report", "three", "--root", str(tmp_path)]) == 1
+    assert f"cannot write the plot to {png}: No space left on device" in capsys.readouterr().err
+    assert png.read_bytes() == b"the last plot"
+    assert sorted(p.name for p in run_dir.iterdir() if "report" in p.name) == ["report.png"]
+
+
 def test_unknown_run_exits_non_zero_naming_the_runs_there(tmp_path, capsys):
     fake_run(tmp_path)
     assert cli_main(["report", "nope", "--root", str(tmp_path)]) == 1

@@ -63,13 +63,18 @@ def append_lines(path: os.PathLike, lines: str) -> None:
 def write_json_atomic(path: epath.Path, payload: dict[str, Any]) -> None:
     """Write JSON so a concurrent reader sees the old or the new file, never a torn one."""
     text = json.dumps(payload, indent=2, sort_keys=True, default=_jsonable)
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: epath.Path, data: bytes) -> None:
+    """Write a file so a reader sees the old or the new one, never a torn or empty one."""
     if str(path).startswith("gs://"):
-        path.write_text(text)  # a GCS object write is already all-or-nothing
+        path.write_bytes(data)  # a GCS object write is already all-or-nothing
         return
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         with naming(path):
-            tmp.write_text(text)
+            tmp.write_bytes(data)
             os.replace(tmp, path)
     except BaseException:
         # A full disk or a signal mid-write: the old file stands, and no stray half-written
