@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from etils import epath
 
 from infra.slices import SliceError, SliceState
+from tasks.slice_log import log_error
 from workloads.events import SUPERSEDED_EXIT
 from workloads.rundir import RunDir
 from workloads.train import PREEMPTED_EXIT
@@ -211,26 +212,15 @@ def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]
 
 
 def _last_log_line(run_dir: RunDir, name: str, log_path: str | None = None) -> str | None:
-    """The last line of the slice's log (host 0's, by default in the run directory),
-    saying so: the error of a workload that could not write its heartbeat (a full disk),
-    often its traceback's last line. None when there is no such log (gcp slices log
-    elsewhere)."""
+    """The error the slice's log ends with (host 0's, by default in the run directory):
+    that of a workload that could not write its heartbeat (a full disk). None when there
+    is no such log (gcp slices log elsewhere)."""
     root = getattr(run_dir, "path", None)  # a stand-in without a directory has no log
     if log_path is None and root is None:
         return None
-    path = epath.Path(log_path) if log_path else epath.Path(root) / "logs" / f"{name}.log"
-    try:
-        with path.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(size - 4096, 0))
-            tail = f.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return None
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    if not lines:
-        return None
-    line = lines[-1] if len(lines[-1]) <= 400 else lines[-1][:400] + " ..."
-    return f"{line} (the last line of {path})"
+    return log_error(
+        epath.Path(log_path) if log_path else epath.Path(root) / "logs" / f"{name}.log"
+    )
 
 
 def _with_host_errors(

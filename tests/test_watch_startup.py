@@ -188,8 +188,40 @@ def test_an_older_attempts_error_is_not_reported_as_this_ones(tmp_path):
     log = f"step 3\nTraceback (most recent call last):\n{error}\n"
     message = _failed_watch(tmp_path, old, log)
     assert "PermissionError" not in message
-    assert "No space left on device: '/r/metrics.jsonl' (the last line of " in message
+    assert "No space left on device: '/r/metrics.jsonl' (the last error in " in message
     assert str(tmp_path / "logs" / "s.log") in message
+
+
+def test_a_log_cut_short_by_a_full_disk_gives_its_last_error_and_says_the_disk_is_full(
+    tmp_path, monkeypatch
+):
+    # The log shares the full disk: it ends mid-line, and that fragment was the run's
+    # error ("exited with code 1: self._checkpointer.w (the last line of ...)").
+    from tasks import slice_log
+
+    error = "OSError: [Errno 28] No space left on device: '/r/checkpoints/8/state'"
+    log = (
+        f'step 7\nTraceback (most recent call last):\n  File "a.py", line 1\n{error}\n\n'
+        "During handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "b.py", line 9, in save\n'
+        "    self._checkpointer.w"
+    )
+
+    class Full:
+        f_bavail, f_frsize = 3, 4096
+
+    monkeypatch.setattr(slice_log.os, "statvfs", lambda path: Full)
+    message = _failed_watch(tmp_path, None, log)
+    assert f"exited with code 1: {error} (the last error in {tmp_path / 'logs' / 's.log'}" in (
+        message
+    )
+    assert message.endswith("; its disk is full, 12,288 bytes free)")
+    # A log without an exception line is quoted by its last line, and a disk with room
+    # is not called full.
+    monkeypatch.undo()
+    (tmp_path / "y").mkdir()
+    message = _failed_watch(tmp_path / "y", None, "loading\nKilled\n")
+    assert message.endswith(f"Killed (the last line of {tmp_path / 'y' / 'logs' / 's.log'})")
 
 
 def test_this_attempts_error_is_reported_and_without_one_or_a_log_the_log_is_named(tmp_path):
@@ -229,7 +261,7 @@ def test_a_local_slice_of_a_gs_root_logs_on_this_machine_and_its_last_line_is_qu
     run_dir = Heartbeats(lambda now: None)
     run_dir.clock, run_dir.path = clock, "gs://bucket/root/runs/r"
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
-    with pytest.raises(WorkloadFailed, match=rf"No space \(the last line of {path}\)"):
+    with pytest.raises(WorkloadFailed, match=rf"No space \(the last error in {path}\)"):
         watch_slice(
             ExitsWith(1), "tpupipe-r", run_dir, settings, print, None, clock, clock.sleep, 2,
             log_path=path,

@@ -1,0 +1,54 @@
+"""What a slice's log says of a workload that failed without saying so in its heartbeat.
+
+A workload that cannot write its heartbeat (a full disk) leaves its error in the log the
+slice provider keeps of its output (a local slice's, on this machine). Often that disk is
+the log's too: the log then ends mid-line, and its last line was quoted as the run's
+error (`self._checkpointer.w`), naming neither the disk nor the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from etils import epath
+
+# The last line of a Python traceback: a dotted exception class name, then its message
+# (`OSError: [Errno 28] No space left on device: '/r/ckpt'`, `pkg.mod.SaveFailed: ...`).
+_EXCEPTION_LINE = re.compile(
+    r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failed|Interrupt|Exit)(?::\s.*)?"
+)
+_TAIL_BYTES = 4096
+_NEARLY_FULL = 1 << 20  # bytes free below which the log's disk is called full
+
+
+def log_error(path: epath.Path) -> str | None:
+    """The error the log at `path` ends with, saying where it was read, or None (no log,
+    or nothing in it): its last exception line when it has one near its end, else its
+    last line; with a note when the log's (local) disk is full."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(size - _TAIL_BYTES, 0))
+            tail = f.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not lines:
+        return None
+    raised = [line for line in lines if _EXCEPTION_LINE.fullmatch(line)]
+    line, said = (raised[-1], "the last error in") if raised else (lines[-1], "the last line of")
+    if len(line) > 400:
+        line = line[:400] + " ..."
+    return f"{line} ({said} {path}{_full_disk_note(path)})"
+
+
+def _full_disk_note(path: epath.Path) -> str:
+    if "://" in str(path):
+        return ""
+    try:
+        stat = os.statvfs(os.path.dirname(os.fspath(path)))
+    except OSError:
+        return ""
+    free = stat.f_bavail * stat.f_frsize
+    return f"; its disk is full, {free:,} bytes free" if free < _NEARLY_FULL else ""
