@@ -96,6 +96,34 @@ def test_the_cli_refuses_a_checkpoint_whose_parameters_changed_in_one_line(
     assert (tmp_path / "run" / "checkpoints" / "4").is_dir()  # nothing quarantined here
 
 
+def test_the_command_on_a_step_that_does_not_restore_says_one_line_and_nothing_after(
+    trained, tmp_path
+):
+    # It said its line, then 2-5 "RuntimeError: Event loop is closed" tracebacks of
+    # TensorStore reads still in flight (13-31 lines in all).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config_path = _copy_of(trained, tmp_path)
+    data = max((tmp_path / "run" / "checkpoints" / "4" / "state" / "d").iterdir(),
+               key=lambda p: p.stat().st_size)  # fmt: skip
+    damaged = bytearray(data.read_bytes())
+    for i in range(len(damaged) - 3000, len(damaged) - 2984):
+        damaged[i] ^= 0x55
+    data.write_bytes(bytes(damaged))
+    out = subprocess.run(
+        [sys.executable, "-m", "workloads.evaluate", "--config", config_path],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1 and "does not restore" in out.stderr, out.stderr
+
+
 def test_the_cli_names_a_dataset_that_is_gone_in_one_line(trained, tmp_path, capsys):
     config_path = _copy_of(trained, tmp_path, dataset_dir=str(tmp_path / "gone"))
     assert main(["--config", config_path]) == 1
@@ -116,3 +144,21 @@ def test_the_cli_leaves_a_newer_step_s_evaluation_in_eval_json(trained, tmp_path
     eval_json.unlink()  # none yet: this evaluation is the run's
     assert main(["--config", config_path]) == 0
     assert json.loads(eval_json.read_text())["step"] == 4
+
+
+def test_only_the_late_closed_loop_errors_are_dropped(capsys):
+    import sys
+    from types import SimpleNamespace
+
+    from workloads.closed_loop_noise import drop_closed_loop_noise
+
+    seen = []
+    before = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        drop_closed_loop_noise()
+        for error in (RuntimeError("Event loop is closed"), RuntimeError("other"), OSError("x")):
+            sys.unraisablehook(SimpleNamespace(exc_value=error))
+    finally:
+        sys.unraisablehook = before
+    assert [str(u.exc_value) for u in seen] == ["other", "x"]

@@ -179,4 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from workloads.closed_loop_noise import drop_closed_loop_noise
+
+    drop_closed_loop_noise()
     sys.exit(main())
