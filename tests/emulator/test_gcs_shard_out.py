@@ -57,7 +57,7 @@ def test_a_gs_out_without_its_bucket_fails_before_sharding(corpus, gcs_emulator,
 
 def test_an_out_of_another_scheme_is_an_invalid_option(corpus, capsys):
     assert cli_main(shard(corpus, "s3://bucket/datasets")) == 2
-    assert "--out: 's3://bucket/datasets': a datasets directory is local or gs://" in (
+    assert "--out 's3://bucket/datasets': s3:// is not supported; give a local directory or " in (
         capsys.readouterr().err
     )
 
