@@ -23,7 +23,7 @@ from tasks.sweep_results import (
 from tasks.sweep_space import Distribution, SearchSpace, SweepConfig, expand_space
 from tasks.sweep_trials import build_trials
 from tests.helpers import tiny_config
-from workloads.config import PipelineConfig
+from workloads.config import CostConfig, PipelineConfig
 from workloads.config_file import ConfigError
 
 T0 = datetime(2026, 11, 22, 6, 0, tzinfo=UTC)
@@ -118,12 +118,27 @@ def test_a_trial_fills_in_again_what_its_base_s_sections_filled_in(tmp_path):
             (t.config.model.d_model, t.config.model.n_layers, t.config.dataset.errors)
             for t in trials
         ] == [(128, 2, "replace"), (128, 2, "strict"), (512, 4, "replace"), (512, 4, "strict")]
-    # What the base gives itself stays, for every trial.
+    # A base with no size at all: its default dimensions give way to the trial's size.
+    no_size = PipelineConfig.model_validate({"storage": {"root": str(tmp_path)}})
+    for base in (no_size, PipelineConfig.model_validate(no_size.model_dump(mode="json"))):
+        space = SearchSpace(grid={"model.size": ["small"]})
+        (trial,) = build_trials(SweepConfig(base=base, space=space), "sw")
+        assert (trial.config.model.d_model, trial.config.model.n_layers) == (512, 4)
+    # What the base gives itself stays, for every trial: in its file, or set in Python
+    # (a first version of this dropped those, and the trials trained the defaults).
     written["model"]["d_model"] = 64
     written["dataset"] = {"errors": "strict"}
     base = PipelineConfig.model_validate(written)
+    base.train.grad_clip_norm = 0.5
+    base = base.model_copy(
+        update={"cost": CostConfig(priced_as="v5litepod-8", region="us-central1")}
+    )
     trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")
-    assert {(t.config.model.d_model, t.config.dataset.errors) for t in trials} == {(64, "strict")}
+    assert {
+        (t.config.model.d_model, t.config.dataset.errors, t.config.train.grad_clip_norm)
+        for t in trials
+    } == {(64, "strict", 0.5)}
+    assert {t.config.cost.priced_as for t in trials} == {"v5litepod-8"}
 
 
 def test_a_sweep_over_tpu_types_gives_each_trial_its_type_s_devices(tmp_path):

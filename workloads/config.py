@@ -104,34 +104,23 @@ class PipelineConfig(_Strict):
     # The mesh axis given as -1, before it was resolved: a sweep varying slice.devices
     # resolves it again per trial (`tasks.sweep_trials.build_trials`).
     _mesh_fill: str | None = PrivateAttr(None)
-    # The fields the config was given (a tree of their names; None: not validated from a
-    # dict), before defaults and what the sections fill in themselves: a size preset's
-    # dimensions, a TPU type's devices and hosts, the stdlib corpus's decoding. See
-    # `as_written`.
-    _written: dict | None = PrivateAttr(None)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _remember_written(cls, data: Any, handler: Any) -> PipelineConfig:
-        config = handler(data)
-        if isinstance(data, dict):
-            config._written = _key_tree(data)
-        return config
 
     def as_written(self) -> dict[str, Any]:
-        """The config as its author gave it (JSON values), every field it did not give left
-        out, the mesh axis given as -1 as -1: what a sweep's trial starts from.
+        """The config less what fills in again by itself (JSON values): every field that
+        holds what its section fills in from its other fields, or its default where the
+        section fills in nothing; the mesh axis given as -1 as -1. What a sweep's trial
+        starts from, its overrides set on it.
 
         Why: validated, `model.size: tiny` has filled in tiny's dimensions, and a trial of
         `model.size: small` built on that dump kept them: every trial of a size sweep
         trained the tiny model. So did a TPU type's devices (a sweep over
         `slice.accelerator_type` was refused) and the stdlib corpus's `errors: replace` (a
         trial over the user's own corpus decoded it leniently). Left out, they fill in again
-        from the trial's own values. So is a field given the value its section fills in
-        anyway, which leaves a full dump (a deployment's parameter, a config built from
-        section objects) as right as the file it came from.
+        from the trial's own values. By value, not by what a file gave: a base changed in
+        Python (`base.train.grad_clip_norm = 0.5`) or a deployment's full JSON parameter
+        keeps every value it set.
         """
-        data = _given(self, self.model_dump(mode="json"), self._written or True)
+        data = _as_written(self, self.model_dump(mode="json"))
         if self._mesh_fill is not None:
             data["mesh"][self._mesh_fill] = -1
         return data
@@ -154,28 +143,20 @@ class PipelineConfig(_Strict):
         return training_hash(self)
 
 
-def _key_tree(data: dict) -> dict:
-    """{name: True, or the tree of a section given as a dict} of a config's input."""
-    return {k: _key_tree(v) if isinstance(v, dict) else True for k, v in data.items()}
-
-
-def _given(model: BaseModel, dumped: dict, given: dict | bool) -> dict:
-    """`dumped` (model's JSON dump) restricted to the fields in `given` (True: all), every
-    section kept (as {} when nothing of it was given), so a dotted override finds it.
-
-    A field that holds what its section fills in (`filled_in`) is left out as well: a
-    config's full dump (a deployment's JSON parameter) gives every field.
-    """
+def _as_written(model: BaseModel, dumped: dict) -> dict:
+    """`dumped` (model's JSON dump) less the fields that fill in again by themselves (see
+    `PipelineConfig.as_written`), every section kept (as {} when nothing of it is left),
+    so a dotted override finds it."""
     filled = model.filled_in(dumped) if isinstance(model, _Strict) else {}
     out = {}
-    for name in type(model).model_fields:
-        mark = given if isinstance(given, bool) else given.get(name)
+    for name, field in type(model).model_fields.items():
         value = getattr(model, name)
         if isinstance(value, BaseModel):
-            out[name] = _given(value, dumped[name], mark if isinstance(mark, dict) else bool(mark))
-        elif name in filled and filled[name] == dumped[name]:
-            continue
-        elif mark is not None and mark is not False:  # a dict field given as {} is given
+            out[name] = _as_written(value, dumped[name])
+        elif name in filled:
+            if filled[name] != dumped[name]:
+                out[name] = dumped[name]  # given otherwise: it stays
+        elif field.is_required() or value != field.get_default(call_default_factory=True):
             out[name] = dumped[name]
     return out
 
