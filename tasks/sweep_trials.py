@@ -56,16 +56,21 @@ def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
 
 def _same_configs(trials: list[Trial]) -> list[str]:
     """Trials that would train one config twice (a grid value listed twice, 1 and 1.0 for
-    a float field, a random draw repeated): twice the chips for one result."""
+    a float field, a random draw repeated, `model.size` over a base whose dimensions are
+    all given): twice the chips for one result."""
     first: dict[str, Trial] = {}
     problems = []
     for trial in trials:
-        key = trial.config.model_copy(update={"run_name": None}).model_dump_json()
+        config = trial.config.model_copy(update={"run_name": None})
+        key = config.model_dump(mode="json")
+        key["model"].pop("size")  # a label: the dimensions it filled in are compared
+        key = json.dumps(key, sort_keys=True)
         if key in first:
             other = first[key]
             problems.append(
                 f"trials {other.index} and {trial.index} ({_params_text(trial.params)}) train "
-                "the same config: drop the repeated value, or vary seed"
+                "the same config: drop the repeated value, or vary seed (a size the "
+                "base's explicit dimensions override changes nothing)"
             )
         else:
             first[key] = trial

@@ -55,6 +55,10 @@ def test_trials_that_would_train_the_same_config_are_refused():
     message = _space_error({"grid": {"train.learning_rate": [0.1, 1, 1.0]}})
     assert "trials 1 and 2" in message and "the same config" in message
     assert "trial 0" not in message
+    # The base (configs/tiny.yaml) gives every dimension: a size changes none of them,
+    # and three trials trained one model under three size labels.
+    message = _space_error({"grid": {"model.size": ["tiny", "small", "base"]}})
+    assert "trials 0 and 1" in message and "trials 0 and 2" in message
 
 
 def test_a_space_of_more_trials_than_max_trials_is_refused_before_any_runs():
