@@ -106,6 +106,13 @@ def test_a_table_made_without_a_column_gets_it(tmp_path):
             ],
             r"runs: constraint CHECK\(\(status = 'completed'\)\)",
         ),
+        # Outside the table's definition, they passed too: the second failed a completed
+        # run's rerun at landing, which turned its row into `failed`.
+        (["CREATE UNIQUE INDEX one_per_hash ON runs (config_hash)"], r"unique index CREATE"),
+        (
+            ["CREATE TABLE notes (run_id VARCHAR REFERENCES runs (run_id), note VARCHAR)"],
+            r"runs: table notes refers to it \(FOREIGN KEY \(run_id\) REFERENCES runs",
+        ),
     ],
     ids=[
         "column-type",
@@ -116,6 +123,8 @@ def test_a_table_made_without_a_column_gets_it(tmp_path):
         "extra-not-null",
         "unique",
         "check",
+        "unique-index",
+        "referred-to",
     ],
 )
 def test_a_table_landing_cannot_use_is_refused_by_name(tmp_path, statements, said):

@@ -102,7 +102,7 @@ def prepare_table(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> None
             "replaces a run's rows by that key; recreate the table with it, or land into "
             "another metrics file"
         )
-    if problems := _refusals(model, found, constraints):
+    if problems := _refusals(model, found, constraints) + _refusals_beside(con, model):
         raise SchemaError(
             f"{model.table}: {'; '.join(problems)}: landing would fail after the whole "
             "training run; drop them (ALTER TABLE), or land into another metrics file"
@@ -130,3 +130,23 @@ def _refusals(model: type[TableRow], found: dict, constraints: list) -> list[str
         if kind in ("UNIQUE", "CHECK", "FOREIGN KEY")
     ]
     return problems
+
+
+def _refusals_beside(con: duckdb.DuckDBPyConnection, model: type[TableRow]) -> list[str]:
+    """What outside the table's own definition would refuse its rows: a UNIQUE index on
+    it, or a foreign key of another table referring to it (landing replaces a run's rows,
+    and a completed run's rerun then landed `failed` on "violates foreign key")."""
+    unique = con.execute(
+        "SELECT sql FROM duckdb_indexes() WHERE lower(table_name) = ? "
+        "AND schema_name = current_schema() AND is_unique",
+        [model.table],
+    ).fetchall()
+    referring = con.execute(
+        "SELECT table_name, constraint_text FROM duckdb_constraints() "
+        "WHERE constraint_type = 'FOREIGN KEY' AND lower(referenced_table) = ? "
+        "AND schema_name = current_schema()",
+        [model.table],
+    ).fetchall()
+    return [f"unique index {sql.rstrip(';')}" for (sql,) in unique] + [
+        f"table {table} refers to it ({text})" for table, text in referring
+    ]
