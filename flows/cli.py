@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 
 from flows import report_cli, shard_cli
-from flows.cli_options import add_overrides, say
+from flows.cli_options import add_overrides, readers_may_leave, say
 from flows.local_run import exit_on_signals, orchestrate_here, quiet_interrupt
 from workloads.config_file import ConfigError, load_config
 
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
     args = _parser().parse_args(argv)
     exit_on_signals()
+    with readers_may_leave():
+        return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "shard":
         return shard_cli.run(args)
     if args.command == "report":
@@ -86,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         sys.excepthook = quiet_interrupt  # not the ~45 lines of where the interrupt landed
+        raise
+    except SystemExit as exc:  # SIGTERM or SIGHUP (flows.local_run): said as Ctrl-C is
+        if exc.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+            name = signal.Signals(int(exc.code) - 128).name
+            with contextlib.suppress(OSError):
+                print(
+                    f"run {config.run_name} stopped by {name}; {again} to resume it",
+                    file=sys.stderr,
+                )
         raise
     except DatasetWriteError as exc:  # the machine's trouble (a full disk), not the input's
         print(f"pipeline failed: {exc}\n(run {config.run_name}: {again} to go on)", file=sys.stderr)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 
 def add_overrides(cmd: argparse.ArgumentParser, example: str, of: str = "a config field") -> None:
@@ -29,8 +32,63 @@ def say(text: str) -> None:
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        # As Python's docs advise: stdout to /dev/null, so no later write or the
-        # interpreter's last flush raises again.
+        _to_devnull(sys.stdout)
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point `stream`'s file descriptor at /dev/null, as Python's docs advise after a
+    broken pipe: no later write, nor the interpreter's last flush, fails again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
+
+
+class _Unbroken:
+    """A stream whose broken pipe ends its output, not the program (see `readers_may_leave`)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _quiet_console(console: Any) -> None:
+    # rich's own reaction exits (SystemExit(1)), from whichever thread was logging.
+    console.quiet = True
+    _to_devnull(console.file)
+
+
+@contextlib.contextmanager
+def readers_may_leave() -> Iterator[None]:
+    """For a command's run: a reader of its stderr that goes away (`2>&1 | head`) ends
+    that output, not the command.
+
+    Why: Prefect logs through rich, and rich exits (SystemExit(1)) on a broken pipe, from
+    inside the task that was logging: `tpupipe run ... 2>&1 | grep -m1 compiling` failed
+    the training run with "SystemExit: 1" at its next log line. And the command's own
+    message to a closed stderr changed its exit code (validate's refusal: 1, not 2).
+    """
+    from rich.console import Console
+
+    Console.on_broken_pipe = _quiet_console  # every console, Prefect's handlers' included
+    before = sys.stderr
+    sys.stderr = _Unbroken(before)
+    try:
+        yield
+    finally:
+        sys.stderr = before

@@ -472,7 +472,9 @@ def test_cli_exit_code_tells_bad_input_from_a_dataset_it_could_not_write(
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stop", [RuntimeError("slice lost"), KeyboardInterrupt()])
+@pytest.mark.parametrize(
+    "stop", [RuntimeError("slice lost"), KeyboardInterrupt(), SystemExit(143)], ids=str
+)
 def test_the_cli_names_an_unnamed_run_and_how_to_resume_it(tmp_path, capsys, monkeypatch, stop):
     # It said "run None stopped by Ctrl-C; run it again to resume it": run again, the
     # config made a new run, from step 0.
@@ -489,8 +491,8 @@ def test_the_cli_names_an_unnamed_run_and_how_to_resume_it(tmp_path, capsys, mon
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps({**tiny_config(tmp_path).model_dump(mode="json"), "run_name": None}))
-    if isinstance(stop, KeyboardInterrupt):
-        with pytest.raises(KeyboardInterrupt):
+    if isinstance(stop, KeyboardInterrupt | SystemExit):  # Ctrl-C, SIGTERM (said as SIGTERM)
+        with pytest.raises(type(stop)):
             cli.main(["run", "--config", str(path)])
     else:
         assert cli.main(["run", "--config", str(path)]) == 1
@@ -498,6 +500,31 @@ def test_the_cli_names_an_unnamed_run_and_how_to_resume_it(tmp_path, capsys, mon
     assert name and name.startswith("run-")
     last = capsys.readouterr().err.splitlines()[-1]
     assert f"run {name}" in last and f"again with --set run_name={name} to resume it" in last
+
+
+def test_a_reader_of_stderr_that_goes_away_ends_the_output_not_the_command(tmp_path):
+    # Prefect logs through rich, which exits (SystemExit(1)) on a broken pipe: `tpupipe
+    # run ... 2>&1 | grep -m1 compiling` failed the training run at its next log line.
+    # And validate's refusal to a closed stderr exited 1, not 2.
+    from rich.console import Console
+
+    from flows.cli_options import readers_may_leave
+
+    read, write = os.pipe()
+    os.close(read)
+    console = Console(file=os.fdopen(write, "w"))
+    with readers_may_leave():
+        console.print("a log line " * 1000)  # SystemExit(1) before
+        print("a message", file=sys.stderr)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: x\n")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "validate", "--config", str(bad)],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+    )
+    child.stderr.close()  # gone before the refusal is written
+    assert child.wait(timeout=120) == 2
 
 
 def test_an_eval_split_gone_after_training_is_an_evaluation_error(tmp_path, monkeypatch):
