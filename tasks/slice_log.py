@@ -13,6 +13,8 @@ import re
 
 from etils import epath
 
+from infra.slices.procs import LOG_START
+
 # The last line of a Python traceback: a dotted exception class name, then its message
 # (`OSError: [Errno 28] No space left on device: '/r/ckpt'`, `pkg.mod.SaveFailed: ...`).
 _EXCEPTION_LINE = re.compile(
@@ -33,7 +35,10 @@ def log_error(path: epath.Path) -> str | None:
             tail = f.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    # This attempt's lines only: the log is appended to by every attempt on the slice
+    # name, and an earlier attempt's error was reported as this one's.
+    tail = tail.rsplit(LOG_START, 1)[-1].split("\n", 1)[-1] if LOG_START in tail else tail
+    lines = [line.strip() for line in tail.replace("\0", "").splitlines() if line.strip()]
     if not lines:
         return None
     raised = [line for line in lines if _EXCEPTION_LINE.fullmatch(line)]

@@ -224,6 +224,21 @@ def test_a_log_cut_short_by_a_full_disk_gives_its_last_error_and_says_the_disk_i
     assert message.endswith(f"Killed (the last line of {tmp_path / 'y' / 'logs' / 's.log'})")
 
 
+def test_an_earlier_attempts_error_in_the_same_log_is_not_this_attempts(tmp_path):
+    # The local slice log is appended to by every attempt on the slice name: attempt 1's
+    # ValueError was reported as "the last error in" it for attempt 2, cut off by a full disk.
+    from infra.slices.procs import LOG_START
+
+    log = (
+        f"{LOG_START} s, host 0, 2026-11-27T07:00:00+0000 ---\n"
+        "Traceback (most recent call last):\nValueError: attempt 1's\n"
+        f"\n{LOG_START} s, host 0, 2026-11-27T07:05:00+0000 ---\n"
+        "step 3\x00\x00\x00\nsaving checkpoint 4\n    self._check"
+    )
+    message = _failed_watch(tmp_path, None, log)
+    assert "attempt 1's" not in message and "self._check (the last line of" in message
+
+
 def test_this_attempts_error_is_reported_and_without_one_or_a_log_the_log_is_named(tmp_path):
     ours = {"phase": "failed", "attempt": 2, "time": 1000.0, "error": "ValueError: bad batch"}
     assert "ValueError: bad batch" in _failed_watch(tmp_path, ours, "OSError: not this\n")

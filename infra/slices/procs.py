@@ -197,6 +197,11 @@ def workload_env(spec: SliceSpec, host: int = 0, coordinator: str | None = None)
     return env
 
 
+# The line each host's log gets before its workload starts: a re-provisioned attempt
+# appends to the log of the one before, and what the log says of a failure must be this
+# attempt's (`tasks.slice_log`).
+LOG_START = "--- tpupipe: workload started on slice"
+
 # Why a host could not be started that may pass by the next try.
 _TRANSIENT_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
@@ -212,6 +217,10 @@ def start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
         for host in range(spec.hosts):
             # Append: a re-provisioned attempt keeps the log of the one before it.
             with open(host_log_path(spec.log_path, host), "ab") as log:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                # After a newline: the last attempt's log may end mid-line (killed).
+                log.write(f"\n{LOG_START} {spec.name}, host {host}, {stamp} ---\n".encode())
+                log.flush()  # before the workload's own writes to the same file
                 started.append(
                     subprocess.Popen(
                         spec.command,
