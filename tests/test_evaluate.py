@@ -147,18 +147,23 @@ def test_the_cli_leaves_a_newer_step_s_evaluation_in_eval_json(trained, tmp_path
 
 
 def test_only_the_late_closed_loop_errors_are_dropped(capsys):
+    import logging
     import sys
     from types import SimpleNamespace
 
     from workloads.closed_loop_noise import drop_closed_loop_noise
 
     seen = []
-    before = sys.unraisablehook
+    before, level = sys.unraisablehook, logging.getLogger("absl").level
     sys.unraisablehook = seen.append
     try:
         drop_closed_loop_noise()
         for error in (RuntimeError("Event loop is closed"), RuntimeError("other"), OSError("x")):
             sys.unraisablehook(SimpleNamespace(exc_value=error))
+        # Orbax's WARNING and ERROR lines about a damaged step (or another step's metadata)
+        # came before and after the command's one line.
+        assert not logging.getLogger("absl").isEnabledFor(logging.ERROR)
     finally:
         sys.unraisablehook = before
+        logging.getLogger("absl").setLevel(level)
     assert [str(u.exc_value) for u in seen] == ["other", "x"]

@@ -10,13 +10,17 @@ sooner or later depending on the reads' timing, cutting into its line.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
 
 def drop_closed_loop_noise() -> None:
     """Make this process's unraisable-exception hook skip those RuntimeErrors; any other
-    goes to the hook there was."""
+    goes to the hook there was. And keep orbax's own log (absl) to what is fatal: on a
+    damaged step it wrote WARNING and ERROR lines (of other steps' metadata, too) around
+    the command's one line, which says what is wrong."""
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     before = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
