@@ -28,9 +28,10 @@ def build_trials(config: SweepConfig, sweep_id: str) -> list[Trial]:
     Raises:
         ConfigError: naming each trial, the overrides it got and what is wrong with them.
     """
-    # As written: what the base's sections filled in themselves (a size preset's dimensions,
-    # a TPU type's devices, a mesh axis given as -1) fills in again from each trial's values.
-    base = config.base.as_written()
+    # Less its fill-ins: what the base's sections filled in themselves (a size preset's
+    # dimensions, a TPU type's devices, a mesh axis given as -1) fills in again from each
+    # trial's values.
+    base = config.base.without_fill_ins()
     trials, problems = [], []
     for index, params in enumerate(expand_space(config.space)):
         run_name = f"{sweep_id}-t{index:02d}"

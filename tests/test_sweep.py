@@ -148,7 +148,7 @@ def test_a_sweep_over_tpu_types_gives_each_trial_its_type_s_devices(tmp_path):
     gcp |= {"wheel": "gs://my-bucket/tpupipe-0-py3-none-any.whl"}
     base = tiny_config(tmp_path, "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1")
     base = PipelineConfig.model_validate(
-        {**base.as_written(), "slice": gcp, "storage": {"root": "gs://my-bucket/root"}}
+        {**base.without_fill_ins(), "slice": gcp, "storage": {"root": "gs://my-bucket/root"}}
     )
     grid = {"slice.accelerator_type": ["v5litepod-8", "v5litepod-4", "v5litepod-16"]}
     trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid=grid)), "sw")

@@ -105,7 +105,7 @@ class PipelineConfig(_Strict):
     # resolves it again per trial (`tasks.sweep_trials.build_trials`).
     _mesh_fill: str | None = PrivateAttr(None)
 
-    def as_written(self) -> dict[str, Any]:
+    def without_fill_ins(self) -> dict[str, Any]:
         """The config less what fills in again by itself (JSON values): every field that
         holds what its section fills in from its other fields, or its default where the
         section fills in nothing; the mesh axis given as -1 as -1. What a sweep's trial
@@ -120,7 +120,7 @@ class PipelineConfig(_Strict):
         Python (`base.train.grad_clip_norm = 0.5`) or a deployment's full JSON parameter
         keeps every value it set.
         """
-        data = _as_written(self, self.model_dump(mode="json"))
+        data = _without_fill_ins(self, self.model_dump(mode="json"))
         if self._mesh_fill is not None:
             data["mesh"][self._mesh_fill] = -1
         return data
@@ -143,16 +143,16 @@ class PipelineConfig(_Strict):
         return training_hash(self)
 
 
-def _as_written(model: BaseModel, dumped: dict) -> dict:
+def _without_fill_ins(model: BaseModel, dumped: dict) -> dict:
     """`dumped` (model's JSON dump) less the fields that fill in again by themselves (see
-    `PipelineConfig.as_written`), every section kept (as {} when nothing of it is left),
+    `PipelineConfig.without_fill_ins`), every section kept (as {} when nothing of it is left),
     so a dotted override finds it."""
     filled = model.filled_in(dumped) if isinstance(model, _Strict) else {}
     out = {}
     for name, field in type(model).model_fields.items():
         value = getattr(model, name)
         if isinstance(value, BaseModel):
-            out[name] = _as_written(value, dumped[name])
+            out[name] = _without_fill_ins(value, dumped[name])
         elif name in filled:
             if filled[name] != dumped[name]:
                 out[name] = dumped[name]  # given otherwise: it stays
