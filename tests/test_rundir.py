@@ -156,9 +156,10 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
 
     path = epath.Path(tmp_path) / "eval.json"
 
-    def full(self, text, *args, **kwargs):
+    def full(self, data, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(type(path), "write_text", full)
+    monkeypatch.setattr(type(path), "write_bytes", full)  # what the atomic writes use
     with pytest.raises(OSError, match=f"No space left on device: '{path}'"):
         write_json_atomic(path, {"loss": 2.0})
+    assert list(tmp_path.iterdir()) == []  # no temporary left beside it
