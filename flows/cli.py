@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 
 from flows import report_cli, shard_cli
-from flows.cli_options import add_overrides, readers_may_leave, say
-from flows.local_run import exit_on_signals, orchestrate_here, quiet_interrupt
+from flows.cli_options import add_overrides, readers_may_leave
+from flows.local_run import SIGNAL_EXITS, exit_on_signals, orchestrate_here, quiet_interrupt
 from workloads.config_file import ConfigError, load_config
 
 
@@ -86,21 +85,12 @@ def _command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # Torn down and landed `failed` on the way out; the process still ends killed by
         # SIGINT (130 in a shell), so a script running it stops too.
-        with contextlib.suppress(OSError):  # stderr went with the terminal
-            print(
-                f"run {config.run_name} stopped by Ctrl-C; {again} to resume it",
-                file=sys.stderr,
-            )
+        _stopped(config.run_name, "Ctrl-C", again)
         sys.excepthook = quiet_interrupt  # not the ~45 lines of where the interrupt landed
         raise
     except SystemExit as exc:  # SIGTERM or SIGHUP (flows.local_run): said as Ctrl-C is
-        if exc.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
-            name = signal.Signals(int(exc.code) - 128).name
-            with contextlib.suppress(OSError):
-                print(
-                    f"run {config.run_name} stopped by {name}; {again} to resume it",
-                    file=sys.stderr,
-                )
+        if exc.code in SIGNAL_EXITS:
+            _stopped(config.run_name, SIGNAL_EXITS[exc.code], again)
         raise
     except DatasetWriteError as exc:  # the machine's trouble (a full disk), not the input's
         print(f"pipeline failed: {exc}\n(run {config.run_name}: {again} to go on)", file=sys.stderr)
@@ -119,7 +109,7 @@ def _command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    say(
+    print(
         f"\nrun {run.run_id} {run.status}: {run.final_step} steps, "
         f"train loss {_f(run.train_loss_first)} -> {_f(run.train_loss_last)}, "
         f"eval loss {_f(run.eval_loss)} ({_f(run.eval_bits_per_byte)} bits/byte)\n"
@@ -127,6 +117,11 @@ def _command(args: argparse.Namespace) -> int:
         f"  metrics:       {metrics_path(config)} (tables runs, step_metrics, eval_metrics)"
     )
     return 0
+
+
+def _stopped(run_name: str, what: str, again: str) -> None:
+    with contextlib.suppress(OSError):  # stderr went with the terminal
+        print(f"run {run_name} stopped by {what}; {again} to resume it", file=sys.stderr)
 
 
 def _f(value: float | None) -> str:
@@ -149,7 +144,7 @@ def _validate(path: str, config, price) -> int:
         print(f"invalid config or input:\n{exc}", file=sys.stderr)
         return 2
     unchecked = f" ({len(remote)} remote source(s) checked when the run starts)" if remote else ""
-    say(
+    print(
         f"{path}: valid\n  sources: {files} local file(s){unchecked}\n"
         f"  cost: {price.chips} chips, {price.describe()}"
     )

@@ -22,19 +22,6 @@ def add_overrides(cmd: argparse.ArgumentParser, example: str, of: str = "a confi
     )
 
 
-def say(text: str) -> None:
-    """Print `text` to stdout; a reader that went away (`| head`) ends the output, not the
-    command: the rest of its work (the report's plot) is still done and its exit code kept.
-
-    Why: with an unbuffered stdout (PYTHONUNBUFFERED=1, common in containers and CI),
-    `tpupipe report RUN | head -1` ended in a BrokenPipeError traceback and exit 1.
-    """
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        _to_devnull(sys.stdout)
-
-
 def _to_devnull(stream: Any) -> None:
     """Point `stream`'s file descriptor at /dev/null, as Python's docs advise after a
     broken pipe: no later write, nor the interpreter's last flush, fails again."""
@@ -45,7 +32,8 @@ def _to_devnull(stream: Any) -> None:
 
 
 class _Unbroken:
-    """A stream whose broken pipe ends its output, not the program (see `readers_may_leave`)."""
+    """A stream whose broken pipe ends its output, not the program (see
+    `readers_may_leave`)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -75,20 +63,23 @@ def _quiet_console(console: Any) -> None:
 
 @contextlib.contextmanager
 def readers_may_leave() -> Iterator[None]:
-    """For a command's run: a reader of its stderr that goes away (`2>&1 | head`) ends
-    that output, not the command.
+    """For a command's run: a reader of its output that goes away (`| head`, `2>&1 | grep
+    -m1 ...`) ends that output, not the command, nor changes its exit code.
 
-    Why: Prefect logs through rich, and rich exits (SystemExit(1)) on a broken pipe, from
-    inside the task that was logging: `tpupipe run ... 2>&1 | grep -m1 compiling` failed
-    the training run with "SystemExit: 1" at its next log line. And the command's own
+    Why: with an unbuffered stdout (PYTHONUNBUFFERED=1, common in containers and CI),
+    `tpupipe report RUN | head -1` ended in a BrokenPipeError traceback and exit 1, its
+    plot unwritten. Prefect logs through rich, and rich exits (SystemExit(1)) on a broken
+    pipe, from inside the task that was logging: `tpupipe run ... 2>&1 | grep -m1
+    compiling` failed the training run at its next log line. And the command's own
     message to a closed stderr changed its exit code (validate's refusal: 1, not 2).
     """
     from rich.console import Console
 
     Console.on_broken_pipe = _quiet_console  # every console, Prefect's handlers' included
-    before = sys.stderr
-    sys.stderr = _Unbroken(before)
+    before = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Unbroken(before[0]), _Unbroken(before[1])
     try:
         yield
     finally:
-        sys.stderr = before
+        sys.stdout.flush()  # what is buffered, while a broken pipe still ends it quietly
+        sys.stdout, sys.stderr = before

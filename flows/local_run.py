@@ -111,12 +111,16 @@ def _signal_of(exc: BaseException | None) -> int | None:
     """The signal a handler's exception stands for, or None."""
     if isinstance(exc, KeyboardInterrupt):
         return signal.SIGINT
-    if isinstance(exc, SystemExit) and exc.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+    if isinstance(exc, SystemExit) and exc.code in SIGNAL_EXITS:
         return int(exc.code) - 128
     received = getattr(exc, "signal", None)  # prefect's TerminationSignal
     if type(exc).__name__ == "TerminationSignal" and isinstance(received, int):
         return received
     return None
+
+
+# The exit codes `exit_on_signals` gives SIGTERM and SIGHUP (128 + signal), by name.
+SIGNAL_EXITS = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
 
 
 def _exit_with_signal(signum: int, frame: object) -> None:

@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from flows.cli_options import add_overrides, say
+from flows.cli_options import add_overrides
 from workloads.config_file import ConfigError, load_config
 
 DEFAULT_ROOT = ".tpupipe"  # StorageConfig's default storage root
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # a run file that is a directory, or not readable
         print(f"tpupipe report: cannot read run {args.run_id}'s files: {exc}", file=sys.stderr)
         return 1
-    say(format_report(report))
+    print(format_report(report))
     if not args.no_png:
         from tasks.report_plot import write_report_png
 
@@ -84,5 +84,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"tpupipe report: cannot write the plot to {where}: {reason}", file=sys.stderr)
             return 1
         # Outside the try: a closed stdout (`| head`) is not the plot's failure.
-        say(f"plot: {plot}")
+        print(f"plot: {plot}")
     return 0

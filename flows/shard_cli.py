@@ -25,8 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flows.cli_options import say
-from flows.local_run import quiet_interrupt
+from flows.local_run import SIGNAL_EXITS, quiet_interrupt
 from workloads.config import DatasetConfig
 
 # Command-line flag -> DatasetConfig field, for the options given on the command line.
@@ -101,13 +100,9 @@ def run(args: argparse.Namespace) -> int:
         sys.excepthook = quiet_interrupt  # the line above says it all
         raise
     except SystemExit as exc:
-        if exc.code in _SIGNAL_EXITS:
-            _say_stopped(_SIGNAL_EXITS[exc.code])
+        if exc.code in SIGNAL_EXITS:
+            _say_stopped(SIGNAL_EXITS[exc.code])
         raise
-
-
-# The exit codes `flows.local_run.exit_on_signals` gives SIGTERM and SIGHUP (128 + signal).
-_SIGNAL_EXITS = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
 
 
 def _say_stopped(what: str) -> None:
@@ -230,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
         f"eval sequences of {result.manifest['seq_len']} tokens",
         file=sys.stderr,
     )
-    say(result.dataset_dir)
+    print(result.dataset_dir)
     return 0
 
 
