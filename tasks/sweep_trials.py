@@ -62,10 +62,8 @@ def _same_configs(trials: list[Trial]) -> list[str]:
     first: dict[str, Trial] = {}
     problems = []
     for trial in trials:
-        config = trial.config.model_copy(update={"run_name": None})
-        key = config.model_dump(mode="json")
-        key["model"].pop("size")  # a label: the dimensions it filled in are compared
-        key = json.dumps(key, sort_keys=True)
+        # model.size is a label: the dimensions it filled in are compared.
+        key = trial.config.model_dump_json(exclude={"run_name": True, "model": {"size"}})
         if key in first:
             other = first[key]
             problems.append(
