@@ -488,3 +488,19 @@ def test_restore_params_reads_the_checked_parameters_alone_and_moves_nothing(tmp
         checkpoint.restore_params(str(tmp_path), 10, "h2")
     assert checkpoint.committed_steps(str(tmp_path)) == [10]
     assert not (tmp_path / "quarantine").exists()
+
+
+def test_a_step_without_its_state_metadata_is_refused_by_name(tmp_path, state):
+    save(tmp_path, 10, state.arrays)
+    (tmp_path / "checkpoints" / "10" / "state" / "_METADATA").unlink()
+    # Orbax reads a missing tree metadata file as none; the error names the file.
+    named = r"checkpoints/10: does not restore: FileNotFoundError: .*state/_METADATA"
+    with pytest.raises(checkpoint.CheckpointError, match=named):
+        checkpoint.restore_params(str(tmp_path), 10, "h1")
+    assert checkpoint.committed_steps(str(tmp_path)) == [10]
+    # The pipeline's verification moves the damaged step aside, saying why.
+    with pytest.raises(checkpoint.CheckpointError, match=named):
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert checkpoint.committed_steps(str(tmp_path)) == []
+    (moved,) = (tmp_path / "quarantine").iterdir()
+    assert "state/_METADATA" in (moved / "QUARANTINED.txt").read_text()

@@ -237,6 +237,10 @@ def restore_on_host(
     mngr = make_manager(run_dir, read_only=True)
     try:
         metadata = mngr.item_metadata(step)["state"]
+        if metadata is None:  # orbax's reading of a tree metadata file it could not read
+            path = epath.Path(mngr.directory) / str(step) / "state" / "_METADATA"
+            path.read_bytes()  # its own error: missing (damage), or no permission (none)
+            raise ValueError(f"{path} is not orbax tree metadata")
         if only is not None:
             metadata = {only: metadata[only]}
         # One host device holds everything: valid whatever topology wrote the checkpoint.
