@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
+from workloads.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,21 @@ def run_held(plan: RunPlan, config: PipelineConfig) -> Iterator[None]:
 
     Raises:
         RunInUse: naming the holder (pid, host, flow run, since when), at once: a run can
-            take hours, so waiting for it would only hide the mistake.
+            take hours, so waiting for it would only hide the mistake; or the workload
+            started by hand whose heartbeat is live (`RunDir.live_workload`).
         infra.gcp.gcs_lease.LeaseError: a `gs://` run's lock object could not be written.
     """
     with _held(plan, config, f"{plan.run_name}.lock", f"run {plan.run_name!r}", "run_name"):
+        # A workload started by hand holds neither this lock nor a lease the attempts would
+        # take from it: it went on writing the run directory beside the run's attempts.
+        # Local run directories only, as the lock: a gs:// one is read by its slice's hosts.
+        local = "://" not in plan.run_dir
+        live = local and RunDir(plan.run_dir).live_workload(config.slice.heartbeat_timeout_s)
+        if live and live.get("attempt") is None:
+            raise RunInUse(
+                f"run {plan.run_name!r} is being trained by a workload started by hand in "
+                f"{plan.run_dir} ({RunDir.describe_beat(live)}); stop it, or wait for it to end"
+            )
         yield
 
 

@@ -153,3 +153,26 @@ def test_a_run_of_the_same_name_under_another_root_never_deletes_the_others_slic
         assert provider.status(theirs.slice_name).state is SliceState.NOT_FOUND
     finally:
         provider.delete(theirs.slice_name, grace_s=0)
+
+
+def test_a_run_whose_workload_runs_by_hand_is_refused_until_it_ends(tmp_path):
+    from workloads.rundir import RunDir
+
+    config = tiny_config(tmp_path, "run_name=busy")
+    plan = plan_run(config)
+    with run_held(plan, config):  # no run directory yet: nothing runs it
+        pass
+    os.makedirs(plan.run_dir)
+    heartbeat = RunDir(plan.run_dir)
+    # `python -m workloads.train` by hand: attempt null, this process (alive) beating now.
+    heartbeat.write_status("training", attempt=None, step=12)
+    hand = r"run 'busy' is being trained by a workload started by hand .*'training' at step 12"
+    with pytest.raises(RunInUse, match=hand), run_held(plan, config):
+        pass
+    with pytest.raises(RunInUse, match=hand), run_held(plan, config):
+        pass
+    # An attempt of the pipeline's own (its lease fences it), or a hand run that ended: free.
+    for phase, attempt in (("training", 4), ("finished", None)):
+        heartbeat.write_status(phase, attempt=attempt, step=12)
+        with run_held(plan, config):
+            pass

@@ -22,7 +22,7 @@ from typing import Any
 
 from etils import epath
 
-from workloads.rundir import append_lines, read_json, write_json_atomic
+from workloads.rundir import RunDir, append_lines, read_json, write_json_atomic
 
 EVENTS = "events.jsonl"
 LEASE = "lease.json"
@@ -109,3 +109,33 @@ class EventLog:
                 f"attempt {self.attempt} lost its lease on {self.run_dir} to attempt "
                 f"{current.get('attempt')}; stopping without writing"
             )
+
+
+def beside_live_workload(
+    run_dir: str,
+    timeout_s: float,
+    env: Mapping[str, str] = os.environ,
+    clock: Callable[[], float] = time.time,
+) -> str | None:
+    """Why a workload started by hand must not start now: another workload's heartbeat in
+    `run_dir` is live (`RunDir.live_workload`), or None.
+
+    A workload started by hand holds no lease, so nothing fenced it off: beside a running
+    attempt of the pipeline it overwrote that attempt's heartbeat as it started, then both
+    wrote the same checkpoint steps and metrics. An attempt of the pipeline (a lease in
+    `env`) is not checked: the lease fences a newer attempt from an older one already.
+    """
+    if env.get("TPUPIPE_LEASE"):
+        return None
+    live = RunDir(run_dir, clock=clock).live_workload(timeout_s)
+    if live is None:
+        return None
+    who = "a workload started by hand"
+    if live.get("attempt") is not None:
+        who = f"attempt {live['attempt']} of the pipeline"
+    return (
+        f"{run_dir} is being trained by {who} ({RunDir.describe_beat(live)}); the "
+        "workload alone beside it would write into the same checkpoints, metrics and "
+        "heartbeat. Wait for it to end: a workload that died stops counting as running "
+        f"{timeout_s:g} s after its last heartbeat (slice.heartbeat_timeout_s)"
+    )

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -23,6 +24,8 @@ HOST_STATUS = "status-host{host}.json"  # a failure of a host other than 0 (`wri
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 EVAL = "eval.json"
+ENDED = ("finished", "failed", "preempted")  # heartbeat phases after which nothing writes
+HOST = socket.gethostname()  # in the heartbeat: the machine its pid is a process of
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,8 @@ class RunDir:
     def write_status(self, phase: str, **fields: Any) -> None:
         """Replace the heartbeat: phase (starting, training, saving, finished, failed,
         preempted), step, loss, last checkpoint and the time it was written."""
-        payload = {"phase": phase, "time": self._clock(), "pid": os.getpid(), **fields}
+        payload = {"phase": phase, "time": self._clock(), "pid": os.getpid(), "host": HOST}
+        payload.update(fields)
         write_json_atomic(self.path / STATUS, payload)
 
     def read_status(self) -> dict[str, Any] | None:
@@ -168,6 +172,29 @@ class RunDir:
                 log.warning("%s; read as no heartbeat (the workload rewrites it)", exc)
                 self._warned_status = True
             return None
+
+    def live_workload(self, timeout_s: float) -> dict[str, Any] | None:
+        """The heartbeat, if it says a workload is writing this run directory now: its phase
+        is not an end (finished, failed, preempted), it was written within `timeout_s` (after
+        which the orchestrator, too, takes a silent workload for a lost one), and, written
+        on this machine, by a process still alive (one killed, or stopped by Ctrl-C, leaves
+        its last beat behind)."""
+        beat = self.read_status() or {}
+        when = beat.get("time")
+        if not _is_number(when) or beat.get("phase") in ENDED:
+            return None
+        age = self._clock() - when
+        if age >= timeout_s or (beat.get("host") == HOST and not _alive(beat.get("pid"))):
+            return None
+        return {**beat, "age_s": age}
+
+    @staticmethod
+    def describe_beat(live: dict[str, Any]) -> str:
+        """A live heartbeat (`live_workload`) in words, for a message."""
+        return (
+            f"pid {live.get('pid')}: heartbeat {live.get('phase')!r} at step "
+            f"{live.get('step')}, {live['age_s']:.0f} s ago"
+        )
 
     def write_host_failure(self, host: int, error: str, **fields: Any) -> None:
         """Record why host `host` (not 0) stopped, beside the heartbeat, never in it: host 0
@@ -226,6 +253,23 @@ class RunDir:
         (a step trained again after a resume is written again, and the earlier attempt's
         row no longer counts)."""
         return sorted({m["step"]: m for m in self.read_metrics()}.values(), key=_step)
+
+
+def _alive(pid: Any) -> bool:
+    """Whether process `pid` of this machine exists."""
+    if not _is_int(pid) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _step(row: dict[str, Any]) -> int:

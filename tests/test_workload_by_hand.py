@@ -1,0 +1,78 @@
+"""The workload started by hand (README: "the workload alone") never starts beside another
+workload that is writing the same run directory: it holds no lease that would fence it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tasks.plan import plan_run, write_workload_config
+from tests.helpers import tiny_config
+from workloads.events import beside_live_workload
+from workloads.rundir import STATUS, RunDir
+
+
+@pytest.fixture()
+def run(tmp_path):
+    """A run's config.json (its dataset never needed: the workload stops before reading it)."""
+    config = tiny_config(tmp_path)
+    plan = plan_run(config)
+    path = write_workload_config(config, plan, str(tmp_path / "data"))
+    return plan, path
+
+
+def test_a_workload_by_hand_beside_a_live_attempt_stops_and_writes_nothing(run):
+    plan, path = run
+    RunDir(plan.run_dir).write_status("training", attempt=3, step=7)
+    before = sorted(os.listdir(plan.run_dir)), (RunDir(plan.run_dir).path / STATUS).read_bytes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUPIPE_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "workloads.train", "--config", path],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"{plan.run_dir} is being trained by attempt 3 of the pipeline" in out.stderr
+    assert "'training' at step 7" in out.stderr
+    # The live attempt's heartbeat stands, and no event, metric or checkpoint was written.
+    after = sorted(os.listdir(plan.run_dir)), (RunDir(plan.run_dir).path / STATUS).read_bytes()
+    assert after == before
+
+
+def test_only_a_fresh_heartbeat_of_a_workload_still_running_counts(tmp_path):
+    now = [1000.0]
+    rd = RunDir(tmp_path, clock=lambda: now[0])
+    assert beside_live_workload(str(tmp_path), 120, env={}) is None  # no heartbeat yet
+
+    rd.write_status("training", attempt=None, step=4)
+    now[0] += 119
+    problem = beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0])
+    assert problem and "a workload started by hand" in problem and "119 s ago" in problem
+    # Silent for the heartbeat timeout: a dead workload, as the orchestrator takes it.
+    assert beside_live_workload(str(tmp_path), 118, env={}, clock=lambda: now[0]) is None
+    # A pipeline attempt is fenced by its lease, not by this check.
+    lease = {"TPUPIPE_LEASE": "x", "TPUPIPE_ATTEMPT": "2"}
+    assert beside_live_workload(str(tmp_path), 120, env=lease, clock=lambda: now[0]) is None
+
+    # Written on this machine by a process that is gone (killed, or stopped by Ctrl-C,
+    # which writes no last beat): not live, however fresh. Another machine's: by its age.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    beat = json.loads((tmp_path / STATUS).read_text())
+    (tmp_path / STATUS).write_text(json.dumps({**beat, "pid": int(dead.stdout)}))
+    assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0]) is None
+    (tmp_path / STATUS).write_text(json.dumps({**beat, "pid": int(dead.stdout), "host": "vm-2"}))
+    assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0])
+
+    for ended in ("finished", "failed", "preempted"):
+        rd.write_status(ended, attempt=1, step=4)
+        assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0]) is None
+    (tmp_path / STATUS).write_text('{"phase": "training", "time": "soon"}')
+    assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0]) is None
