@@ -135,6 +135,7 @@ def _validate(path: str, config, price) -> int:
     from tasks.plan import plan_run
     from tasks.prepare import DatasetError, check_inputs
     from tasks.run_owner import check_run_owner
+    from workloads.rundir import RunDir
 
     remote = [s for s in config.dataset.sources if "://" in s]
     try:
@@ -148,6 +149,15 @@ def _validate(path: str, config, price) -> int:
         f"{path}: valid\n  sources: {files} local file(s){unchecked}\n"
         f"  cost: {price.chips} chips, {price.describe()}"
     )
+    timeout = config.slice.heartbeat_timeout_s
+    if "://" not in plan.run_dir and (live := RunDir(plan.run_dir).live_workload(timeout)):
+        then = "stops before provisioning"  # `tasks.run_lock.run_held`
+        if (attempt := live.get("attempt")) is not None:  # its lease, unless its orchestrator runs
+            then += f" while its orchestrator runs, and otherwise takes over from attempt {attempt}"
+        print(
+            f"  note: run {plan.run_name!r} is training now "
+            f"({RunDir.describe_beat(live)}): `tpupipe run` of it now {then}"
+        )
     return 0
 
 

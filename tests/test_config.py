@@ -231,6 +231,21 @@ def test_cli_validate_checks_what_the_config_points_at(tmp_path, capsys):
     assert "1 local file(s) (1 remote source(s) checked when the run starts)" in out
 
 
+def test_cli_validate_says_when_the_run_is_training_now(tmp_path, capsys):
+    from workloads.rundir import RunDir
+
+    config = write(tmp_path, f"run_name: busy\nstorage: {{root: {tmp_path / 'root'}}}\n")
+    assert cli_main(["validate", "--config", str(config)]) == 0
+    assert "note:" not in capsys.readouterr().out
+    plan = plan_run(load_config(config))
+    Path(plan.run_dir).mkdir(parents=True)
+    for attempt, then in ((None, "of it now stops before"), (3, "takes over from attempt 3")):
+        RunDir(plan.run_dir).write_status("training", attempt=attempt, step=9)  # this pid: alive
+        assert cli_main(["validate", "--config", str(config)]) == 0  # still a valid config
+        out = capsys.readouterr().out
+        assert "note: run 'busy' is training now" in out and "at step 9" in out and then in out
+
+
 def _six_document_run(tmp_path: Path) -> tuple[Path, PipelineConfig]:
     """A corpus of six small documents and a run config sharding it into one shard."""
     corpus = tmp_path / "corpus"
