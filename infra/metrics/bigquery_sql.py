@@ -45,7 +45,7 @@ def changed_types(model: type[TableRow], have: dict[str, str]) -> list[str]:
 
     Args:
         model: the row model.
-        have: the table's columns, name -> type as the API answered it.
+        have: the table's columns, lower-case name -> type as the API answered it.
     """
     return [
         f"{f.name} {have[f.name]} -> {f.field_type}"

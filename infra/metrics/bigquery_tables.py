@@ -4,7 +4,9 @@ migrated to its row model, and the staging tables a landing loads.
 - The dataset must be in the location the sink's jobs run in (`LocationError`).
 - A target table is day-partitioned on its row model's partition field and clustered by its
   cluster fields. One created by an older version gains the columns its model added since,
-  always NULLABLE (`migration_sql`); a column whose type changed is refused (`SchemaError`).
+  always NULLABLE (`migration_sql`); a column whose type changed, or one made or changed
+  by hand that would refuse the model's rows (`_refusals`), is refused (`SchemaError`).
+  Column names are matched as BigQuery matches them, ignoring case.
 - A staging table holds one landing's rows of one table: named after the landing's scope (a
   run or sweep id), loaded whole by one load job (`WRITE_TRUNCATE`), and expiring after
   `STAGING_TTL` should a crash leave it. The sink drops it once its MERGE has committed.
@@ -101,8 +103,12 @@ def create_table(
         timeout: the request's own time limit, in seconds.
 
     Returns:
-        The table's columns, name -> type as the API answered it (an existing table's may
-        be older than the model's: see `migration_sql`).
+        The table's columns, lower-case name -> type as the API answered it (an existing
+        table's may be older than the model's: see `migration_sql`).
+
+    Raises:
+        SchemaError: the name holds a view, or the table would refuse rows the model
+            lands (`_refusals`).
     """
     table = bigquery.Table(table_id, schema=bq_schema(model))
     table.time_partitioning = bigquery.TimePartitioning(
@@ -117,15 +123,41 @@ def create_table(
             f"{table_id} is a {existing.table_type.lower().replace('_', ' ')}, not a table: "
             "landing merges rows into it; rename it, or land into another metrics.dataset"
         )
-    nullable = {c.name for c in table_schema(model) if c.nullable}
-    if required := [f.name for f in existing.schema if f.name in nullable and f.mode == "REQUIRED"]:
-        # A MERGE of a row without a value for it fails, after the whole training run.
+    if problems := _refusals(existing, model):
         raise SchemaError(
-            f"{table_id}: column(s) {', '.join(required)} are REQUIRED, and a run may have "
-            "no value for them: make them NULLABLE (ALTER TABLE ... ALTER COLUMN ... DROP "
-            "NOT NULL), or land into another metrics.dataset"
+            f"{table_id}: {'; '.join(problems)}: landing would fail after the whole training "
+            "run; change them (ALTER TABLE ... ALTER COLUMN ... DROP NOT NULL, SET OPTIONS), "
+            "or land into another metrics.dataset"
         )
-    return {f.name: f.field_type for f in existing.schema}
+    # By lower-case name: BigQuery's column names ignore case, so `Eval_Loss` is the
+    # model's `eval_loss` (looked up as spelled, its type went unchecked, and a FLOAT64
+    # landed in an INT64 column of that spelling).
+    return {f.name.lower(): f.field_type for f in existing.schema}
+
+
+def _refusals(table: bigquery.Table, model: type[TableRow]) -> list[str]:
+    """What of a table made or changed by hand would refuse rows the model lands, each
+    passing the check before provisioning and failing the landing after the training:
+    a REQUIRED column a run may leave empty, or one the model does not know with no
+    default; a REPEATED (ARRAY) column the model lands one value in; a required
+    partition filter, which landing's MERGE and reads do not give."""
+    nullable = {c.name: c.nullable for c in table_schema(model)}
+    problems = []
+    for field in table.schema:
+        name = field.name.lower()
+        if field.mode == "REPEATED" and name in nullable:
+            problems.append(f"column {field.name} is REPEATED (an ARRAY), and rows land one value")
+        elif field.mode == "REQUIRED" and nullable.get(name, False):
+            problems.append(f"column {field.name} is REQUIRED, and rows may leave it empty")
+        elif (
+            field.mode == "REQUIRED" and name not in nullable and not field.default_value_expression
+        ):
+            problems.append(
+                f"column {field.name} is REQUIRED with no default, and rows do not set it"
+            )
+    if table.require_partition_filter:
+        problems.append("it requires a partition filter, which landing's MERGE does not give")
+    return problems
 
 
 def migration_sql(table_id: str, model: type[TableRow], have: dict[str, str]) -> list[str]:
@@ -134,7 +166,7 @@ def migration_sql(table_id: str, model: type[TableRow], have: dict[str, str]) ->
     Args:
         table_id: the table's full id.
         model: its row model.
-        have: the table's columns, name -> type as the API answered it.
+        have: the table's columns, lower-case name -> type as the API answered it.
 
     Raises:
         SchemaError: a column's type changed (BigQuery cannot convert it in place).

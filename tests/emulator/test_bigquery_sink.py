@@ -322,5 +322,70 @@ def test_a_view_or_a_required_column_a_run_may_not_fill_is_refused_by_name(sink)
         bigquery.SchemaField("error", "STRING", mode="REQUIRED"),
     ]
     client.create_table(bigquery.Table(f"{other.dataset}.runs", schema=schema))
-    with pytest.raises(SchemaError, match=r"column\(s\) error are REQUIRED"):
+    with pytest.raises(SchemaError, match=r"column error is REQUIRED, and rows may leave it"):
         other.ensure_tables()
+
+
+@pytest.mark.parametrize(
+    "field, refused",
+    [
+        # BigQuery's names ignore case: this is the model's eval_loss, of another type.
+        (("Eval_Loss", "INT64", "NULLABLE"), r"column types changed \(eval_loss INT"),
+        (("Cost_USD", "FLOAT64", "REQUIRED"), "column Cost_USD is REQUIRED, and rows may leave"),
+        (("team", "STRING", "REQUIRED"), "column team is REQUIRED with no default, and rows"),
+        (("error", "STRING", "REPEATED"), r"column error is REPEATED \(an ARRAY\)"),
+    ],
+)
+def test_a_column_made_by_hand_that_would_refuse_the_rows_is_refused_by_name(sink, field, refused):
+    # Each passed the check before provisioning, and the run trained and then landed
+    # nothing ("NOT NULL constraint failed: runs.team"), or landed a FLOAT64 as an INT64.
+    from google.cloud import bigquery
+
+    name, kind, mode = field
+    sink.client.create_dataset(sink.dataset, exists_ok=True)
+    schema = [bigquery.SchemaField("run_id", "STRING", mode="REQUIRED")]
+    schema.append(bigquery.SchemaField(name, kind, mode=mode))
+    sink.client.create_table(bigquery.Table(f"{sink.dataset}.runs", schema=schema))
+    with pytest.raises(SchemaError, match=refused):
+        sink.ensure_tables()
+
+
+def test_what_a_table_made_by_hand_may_differ_in(sink):
+    # Another case of a column's name, an extra column: the model's columns are not added
+    # a second time. (A REQUIRED column with a default may be too: see the test below, as
+    # the emulator keeps no defaults.)
+    from google.cloud import bigquery
+
+    sink.client.create_dataset(sink.dataset, exists_ok=True)
+    schema = [
+        bigquery.SchemaField("Run_Id", "STRING", mode="REQUIRED"),
+        bigquery.SchemaField("Eval_Loss", "FLOAT64"),
+        bigquery.SchemaField("notes", "STRING"),
+    ]
+    sink.client.create_table(bigquery.Table(f"{sink.dataset}.runs", schema=schema))
+    sink.ensure_tables()
+    # The model's other columns were added, and its rows land.
+    sink.land(*rows("r1"))
+    got = sink.client.query(f"SELECT Run_Id, status, eval_loss, notes FROM `{sink.dataset}.runs`")
+    assert [tuple(r) for r in got.result()] == [("r1", "completed", None, None)]
+
+
+def test_a_required_column_with_a_default_or_a_partition_filter_as_bigquery_reports_them():
+    # What the emulator does not keep or enforce, on tables as the API describes them.
+    from google.cloud import bigquery
+
+    from infra.metrics import RunRow
+    from infra.metrics.bigquery_tables import _refusals
+
+    def table(*fields, **props):
+        made = bigquery.Table(
+            "p.d.runs", schema=[bigquery.SchemaField(*f[:2], **f[2]) for f in fields]
+        )
+        made._properties.update(props)
+        return made
+
+    team = ("team", "STRING", {"mode": "REQUIRED", "default_value_expression": "'ml'"})
+    assert _refusals(table(team), RunRow) == []
+    assert _refusals(table(team, requirePartitionFilter=True), RunRow) == [
+        "it requires a partition filter, which landing's MERGE does not give"
+    ]
