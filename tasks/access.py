@@ -144,3 +144,43 @@ def check_metrics_access(config: PipelineConfig, plan: RunPlan) -> None:
             f"{sink.dataset} ({exc.message}); grant roles/bigquery.dataEditor on it, and "
             "bigquery.datasets.create on the project while it does not exist (or create it)"
         ) from None
+
+
+def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
+    """The `sweeps` table can take a sweep's rows: created, or migrated and checked as
+    its landing would (`ensure_sweep_table`), before any trial trains. A table made or
+    changed by hand that would refuse them (a NOT NULL `error`, an INT64 `eval_loss`)
+    failed the sweep's landing, after every trial had trained.
+
+    Best effort, as `tasks.run_owner.check_run_owner`: a DuckDB file not made yet (the
+    first landing makes it) or held by another process, or a BigQuery error other than
+    the table's, passes, and landing reports its own errors.
+
+    Raises:
+        ConfigError: naming metrics.path or metrics.dataset and what is wrong.
+    """
+    import logging
+
+    from infra.metrics import build_sink
+
+    metrics = config.metrics
+    if metrics.sink == "duckdb":
+        import os
+
+        from infra.metrics.duckdb_tables import SchemaError
+
+        if not os.path.exists(plan.metrics_path):
+            return
+        refusals: tuple[type[Exception], ...] = (SchemaError,)
+        where, wait = f"metrics.path = {plan.metrics_path!r}", 0.0
+    else:
+        from infra.metrics.bigquery_sink import LocationError, SchemaError
+
+        refusals = (SchemaError, LocationError)
+        where, wait = f"metrics.dataset = {metrics.dataset!r}", PRESTART_WAIT_S
+    try:
+        build_sink(metrics.sink, plan.metrics_path, metrics, wait).ensure_sweep_table()
+    except refusals as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except Exception as exc:  # the check is advisory (see above)
+        logging.getLogger(__name__).warning("could not check the sweeps table: %s", exc)

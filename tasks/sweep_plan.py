@@ -18,11 +18,13 @@ from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
+from tasks.access import check_sweeps_table
 from tasks.plan import plan_run
 from tasks.prepare import DatasetError, check_inputs, check_memory
 from tasks.pricing import price_for
 from tasks.rerun import check_resumable
 from tasks.run_lock import sweep_held
+from tasks.run_owner import check_run_owner
 from tasks.sweep_deployed import ensure_trial_deployment
 from tasks.sweep_models import SweepError, SweepPlan
 from tasks.sweep_space import SweepConfig, Trial
@@ -99,6 +101,8 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
     if via == "auto":
         via = "deployment" if deployed else "subflow"
     check_trials(trials, local_inputs=via == "subflow")
+    first = trials[0].config
+    check_sweeps_table(first, plan_run(first))  # the table the sweep's rows land in
     with get_client(sync_client=True) as client:
         if via == "deployment":
             ensure_trial_deployment(config.trial_deployment, client)
@@ -170,7 +174,10 @@ def check_trials(trials: list[Trial], local_inputs: bool) -> None:
     A sweep run again resumes its trials, so each must also train what its run trained:
     a space changed since the first sweep of this name otherwise let every trial take
     its chips and fail its own validation, and the sweep then replaced the finished
-    sweep's `sweeps` rows with failed ones.
+    sweep's `sweeps` rows with failed ones. For the same reason no trial's run name may
+    have landed from another run directory (`tasks.run_owner`: a sweep of this name from
+    another storage root), checked where the trial's runs row lands from: this machine,
+    or BigQuery, which every worker shares.
 
     Raises:
         ConfigError: naming each trial, its overrides and what is wrong.
@@ -181,10 +188,13 @@ def check_trials(trials: list[Trial], local_inputs: bool) -> None:
         try:
             price_for(trial.config)
             check_memory(trial.config, host)
+            plan = plan_run(trial.config)
             if local_inputs:
-                check_inputs(trial.config, plan_run(trial.config), remote=False, listed=listed)
+                plan, _ = check_inputs(trial.config, plan, remote=False, listed=listed)
             else:
-                check_resumable(trial.config, plan_run(trial.config))
+                check_resumable(trial.config, plan)
+            if local_inputs or trial.config.metrics.sink == "bigquery":
+                check_run_owner(trial.config, plan)
         except (ConfigError, DatasetError) as exc:
             params = ", ".join(f"{k}={v!r}" for k, v in trial.params.items())
             problems.append(f"trial {trial.index} ({params}): {exc}")

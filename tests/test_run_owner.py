@@ -15,11 +15,11 @@ from tests.helpers import REPO, tiny_config
 from workloads.config_file import ConfigError
 
 
-def _land(path, run_dir: str) -> None:
+def _land(path, run_dir: str, name: str = "tiny") -> None:
     DuckDBSink(path).land(
         RunRow(
-            run_id="tiny",
-            run_name="tiny",
+            run_id=name,
+            run_name=name,
             status="completed",
             config_hash="h",
             config_json="{}",
@@ -79,3 +79,52 @@ def test_the_same_run_reached_through_a_symlinked_root_passes(tmp_path):
     elsewhere = tiny_config(tmp_path / "other", f"metrics.path={shared}")
     with pytest.raises(ConfigError, match="from another run directory"):
         check_run_owner(elsewhere, plan_run(elsewhere))
+
+
+def test_a_sweep_is_refused_before_any_trial_when_a_trial_landed_from_elsewhere(tmp_path):
+    # A sweep of the same name from another storage root: each trial was refused at its
+    # start, and the sweep then replaced the other sweep's `sweeps` rows with failed ones.
+    from tasks.sweep_plan import check_trials
+    from tasks.sweep_space import SearchSpace, SweepConfig
+    from tasks.sweep_trials import build_trials
+
+    shared = tmp_path / "shared.duckdb"
+    base = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    trials = build_trials(SweepConfig(base=base, space=SearchSpace(grid={"seed": [1, 2]})), "sw")
+    check_trials(trials, local_inputs=True)
+    _land(shared, "/elsewhere/runs/sw-t01", name="sw-t01")
+    with pytest.raises(ConfigError) as err:
+        check_trials(trials, local_inputs=True)
+    assert "trial 1 (seed=2): run_name = 'sw-t01'" in str(err.value)
+    assert "/elsewhere/runs/sw-t01" in str(err.value) and "trial 0" not in str(err.value)
+    # Deployed trials land from their worker, whose metrics file is not this one.
+    check_trials(trials, local_inputs=False)
+
+
+def test_a_sweeps_table_that_would_refuse_the_rows_is_refused_before_any_trial(
+    tmp_path, prefect_harness
+):
+    # It failed the sweep's landing, once every trial had trained.
+    import duckdb
+    from prefect import flow
+
+    from infra.metrics.duckdb_tables import create_table_sql
+    from infra.metrics.rows import SweepRow
+    from tasks.access import check_sweeps_table
+    from tasks.sweep_plan import plan_sweep
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    shared = tmp_path / "shared.duckdb"
+    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    check_sweeps_table(config, plan_run(config))  # no file yet: nothing to check, none made
+    assert not shared.exists()
+    with duckdb.connect(str(shared)) as con:  # made by hand: every trial's error NOT NULL
+        con.execute(create_table_sql(SweepRow).replace("error VARCHAR", "error VARCHAR NOT NULL"))
+    with pytest.raises(ConfigError) as err:
+        check_sweeps_table(config, plan_run(config))
+    assert f"metrics.path = '{shared}'" in str(err.value)
+    assert "sweeps: column error is NOT NULL" in str(err.value)
+    # The sweep's plan checks it, before any trial is admitted.
+    sweep = SweepConfig(base=config, space=SearchSpace(grid={"seed": [1]}), sweep_name="sw")
+    with pytest.raises(ConfigError, match="sweeps: column error is NOT NULL"):
+        flow(lambda: plan_sweep.fn(sweep, None, False), name="plan")()

@@ -49,6 +49,10 @@ class MetricsSink(Protocol):
         """Replace one sweep's `sweeps` rows with these, atomically and idempotently."""
         ...
 
+    def ensure_sweep_table(self) -> None:
+        """Create the `sweeps` table, or check it as `land_sweep` would (`SchemaError`)."""
+        ...
+
     def read_run(self, run_id: str) -> RunRow | None:
         """The run's `runs` row, or None if it has not landed."""
         ...

@@ -125,6 +125,17 @@ class BigQuerySink:
             self._ensure_table(model)
         self._ready = True
 
+    def ensure_sweep_table(self) -> None:
+        """Create the `sweeps` table, or migrate and check it as `land_sweep` does first,
+        so a sweep it would refuse stops before any trial trains.
+
+        Raises:
+            SchemaError / LocationError: as `ensure_tables`.
+        """
+        if not self._ready:
+            self.ensure_tables()
+        self._ensure_table(SweepRow)
+
     def check_location(self) -> bool:
         """Whether the dataset exists; one `datasets.get`, cheap enough to run before a
         slice is provisioned.

@@ -159,6 +159,16 @@ class DuckDBSink:
                 self._insert(con, SweepRow, trials)
         return len(trials)
 
+    def ensure_sweep_table(self) -> None:
+        """Create the `sweeps` table, or check it as `land_sweep` does first, so a sweep
+        it would refuse stops before any trial trains (`tasks.access.check_sweeps_table`).
+
+        Raises:
+            SchemaError: the table would refuse the sweep's rows (`prepare_table`).
+        """
+        with self._connect() as con:
+            self._create_table(con, SweepRow)
+
     def read_run(self, run_id: str) -> RunRow | None:
         """The `runs` row of `run_id`, or None if it has not landed."""
         with self._connect() as con:

@@ -108,3 +108,29 @@ def test_an_older_sweeps_table_gains_the_cost_columns(sink):
     assert sink.land_sweep([row]) == 1
     got = sink.query(f"SELECT chip_hours, cost_usd, goodput FROM `{sink.dataset}.sweeps`")
     assert got == [(0.5, 0.6, None)]
+
+
+def test_a_sweeps_table_that_would_refuse_the_rows_is_refused_before_any_trial(sink, tmp_path):
+    # An INT64 eval_loss failed the sweep's landing once every trial had trained.
+    from tasks.access import check_sweeps_table
+    from tasks.plan import plan_run
+    from tests.helpers import tiny_config
+    from workloads.config_file import ConfigError
+
+    project, dataset = sink.dataset.split(".")
+    overrides = (
+        "metrics.sink=bigquery",
+        f"metrics.project={project}",
+        f"metrics.dataset={dataset}",
+    )
+    config = tiny_config(tmp_path, *overrides)
+    check_sweeps_table(config, plan_run(config))  # made as landing makes it
+    sink.land_sweep([trial("sw", 0, 3.0)])
+    sink.client.query(f"DROP TABLE `{sink.dataset}.sweeps`").result()
+    sink.client.query(
+        f"CREATE TABLE `{sink.dataset}.sweeps` (sweep_id STRING, trial INT64, eval_loss INT64)"
+    ).result()
+    with pytest.raises(ConfigError) as err:
+        check_sweeps_table(config, plan_run(config))
+    assert f"metrics.dataset = '{dataset}'" in str(err.value)
+    assert "eval_loss INT" in str(err.value)
