@@ -16,11 +16,14 @@ from etils import epath
 from infra.slices.procs import LOG_START
 
 # The last line of a Python traceback: a dotted exception class name, then its message
-# (`OSError: [Errno 28] No space left on device: '/r/ckpt'`, `pkg.mod.SaveFailed: ...`).
+# (`OSError: [Errno 28] No space left on device: '/r/ckpt'`, `pkg.mod.SaveFailed: ...`);
+# or the first of a crash's (`Fatal Python error: Segmentation fault`, by faulthandler).
 _EXCEPTION_LINE = re.compile(
     r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failed|Interrupt|Exit)(?::\s.*)?"
+    r"|Fatal Python error: .+"
 )
-_TAIL_BYTES = 4096
+# A crash's stack and list of extension modules follow its first line: read past them.
+_TAIL_BYTES = 16384
 _NEARLY_FULL = 1 << 20  # bytes free below which the log's disk is called full
 
 

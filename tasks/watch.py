@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from etils import epath
 
 from infra.slices import SliceError, SliceState
+from infra.slices.procs import host_log_path
 from tasks.slice_log import log_error
 from workloads.events import SUPERSEDED_EXIT
 from workloads.rundir import RunDir
@@ -198,8 +199,14 @@ def watch_slice(
         final = {**final, "error": status.failure}
     elif status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None):
         error = _with_host_errors(final.get("error"), run_dir, attempt, started)
+        if status.host:
+            # Another host's exit ended the slice, and host 0's error (a collective's
+            # "Connection reset by peer") or log line is what that did to it: that host's
+            # own log says more, of a crash too (the workload's faulthandler writes it).
+            own = _last_log_line(run_dir, name, log_path, status.host)
+            error = "; ".join(filter(None, [own, error and f"host 0 then: {error}"]))
         final = {**final, "error": error or _last_log_line(run_dir, name, log_path)}
-    return _ended(name, status.exit_code, final, clock() - started)
+    return _ended(name, status.exit_code, final, clock() - started, status.host)
 
 
 def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]) -> None:
@@ -211,16 +218,19 @@ def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]
             log(f"checkpoint step {step} was quarantined, not resumed from: {entry.get('reason')}")
 
 
-def _last_log_line(run_dir: RunDir, name: str, log_path: str | None = None) -> str | None:
-    """The error the slice's log ends with (host 0's, by default in the run directory):
-    that of a workload that could not write its heartbeat (a full disk). None when there
-    is no such log (gcp slices log elsewhere)."""
+def _last_log_line(
+    run_dir: RunDir, name: str, log_path: str | None = None, host: int = 0
+) -> str | None:
+    """The error the slice's log of `host` ends with (host 0's, by default in the run
+    directory): that of a workload that could not write its heartbeat (a full disk), or
+    that a signal killed. None when there is no such log (gcp slices log elsewhere)."""
     root = getattr(run_dir, "path", None)  # a stand-in without a directory has no log
     if log_path is None and root is None:
         return None
-    return log_error(
-        epath.Path(log_path) if log_path else epath.Path(root) / "logs" / f"{name}.log"
-    )
+    path = log_path or str(epath.Path(root) / "logs" / f"{name}.log")
+    if host and "://" in path:  # a gcp worker's log is on its VM
+        return None
+    return log_error(epath.Path(host_log_path(path, host)))
 
 
 def _with_host_errors(
@@ -248,7 +258,9 @@ def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:
     return heartbeat.get("time", float("-inf")) >= started
 
 
-def _ended(name: str, code: int | None, final: dict, seconds: float) -> TrainOutcome:
+def _ended(
+    name: str, code: int | None, final: dict, seconds: float, host: int | None = None
+) -> TrainOutcome:
     if code == 0:
         return TrainOutcome(name, 0, final.get("step"), seconds)
     if code == PREEMPTED_EXIT:
@@ -259,13 +271,27 @@ def _ended(name: str, code: int | None, final: dict, seconds: float) -> TrainOut
             "directory's lease, so another orchestrator is running this run (from another "
             "machine?); this one stops and leaves the run to it"
         )
+    on = "" if host is None else f", host {host}"
     if code is None or code in (-signal.SIGKILL, -signal.SIGTERM):
         # Killed from outside, or the exit code is unknown: the platform took the slice.
-        how = f"signal {-code}" if code else "no exit code"
+        how = f"signal {-code}{on}" if code else "no exit code"
         raise WorkloadPreempted(
             f"workload on {name} was killed ({how}) at step {final.get('step')}"
         )
+    who = "" if host is None else f": host {host}"
     raise WorkloadFailed(
-        f"workload on slice {name} exited with code {code}: "
+        f"workload on slice {name}{who} {_exit_words(code)}: "
         f"{final.get('error') or 'see the slice log'}"
     )
+
+
+def _exit_words(code: int) -> str:
+    """'exited with code 1', or for a process a signal ended 'was killed by SIGSEGV
+    (signal 11)' (it read "exited with code -11")."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"was killed by signal {-code}"
+    return f"was killed by {name} (signal {-code})"

@@ -328,3 +328,13 @@ def test_a_lost_host_is_reported_before_the_hosts_that_failed_because_of_it(code
     from infra.slices.procs import HostGroup
 
     assert HostGroup([_Exited(c) for c in codes]).returncode == reported
+
+
+@pytest.mark.parametrize(
+    ("codes", "host"),
+    [([1, -9], 1), ([-6, 1], 0), ([0, -11], 1), ([0, 0], None), ([0, None], None), ([-11], None)],
+)
+def test_the_host_whose_exit_ended_the_slice_is_known(codes, host):
+    from infra.slices.procs import HostGroup
+
+    assert HostGroup([_Exited(c) for c in codes]).cause_host() == host

@@ -51,7 +51,9 @@ def test_host_0_killed_is_a_preemption_at_its_step_and_host_1_records_no_failure
     status = run.status()
     assert status["phase"] == "training" and status["step"] >= 10, status
     assert "failed" not in [e["event"] for e in read_events(run.run_dir / "events.jsonl")]
-    with pytest.raises(WorkloadPreempted, match=rf"killed \(signal 9\) at step {status['step']}$"):
+    with pytest.raises(
+        WorkloadPreempted, match=rf"killed \(signal 9, host 0\) at step {status['step']}$"
+    ):
         watch_slice(run.provider, name, RunDir(run.run_dir), SETTINGS, lambda m: None, attempt=1)
     run.provider.delete(name)
 
@@ -83,3 +85,44 @@ def test_a_failure_of_host_1_alone_is_named_in_the_attempts_error(tmp_path):
     rd.write_host_failure(2, "an older attempt's error", attempt=1)
     with pytest.raises(WorkloadFailed, match=r"code 1: host 1: OSError: shard 7 is unreadable$"):
         watch_slice(Ended(1), "s", rd, SETTINGS, lambda m: None, attempt=2)
+
+
+CRASHES = """
+import ctypes, faulthandler, os, time
+faulthandler.enable(all_threads=False)  # as workloads.train does
+if os.environ["TPUPIPE_PROCESS_ID"] == "1":
+    time.sleep(0.3)
+    ctypes.string_at(0)  # a crash in native code: SIGSEGV
+time.sleep(60)  # host 0 would wait in its collective
+"""
+
+
+def test_a_host_that_crashes_is_named_with_its_signal_and_its_own_log(tmp_path):
+    # It read "exited with code -11: " and host 0's reaction (a collective's "Connection
+    # reset by peer"), or host 0's last log line, an unrelated orbax message.
+    import sys
+
+    from infra.slices import LocalSliceProvider, SliceSpec
+
+    provider = LocalSliceProvider(tmp_path / "slices")
+    log_path = str(tmp_path / "logs" / "s.log")
+    provider.create(
+        SliceSpec(
+            name="s", devices=2, hosts=2, command=[sys.executable, "-c", CRASHES], log_path=log_path
+        )
+    )
+    rd = RunDir(tmp_path)
+    host0 = "JaxRuntimeError: UNKNOWN: Gloo AllGather failed: Connection reset by peer"
+    rd.write_status("failed", step=5, attempt=2, error=host0)
+    try:
+        with pytest.raises(WorkloadFailed) as raised:
+            watch_slice(provider, "s", rd, SETTINGS, lambda m: None, attempt=2, log_path=log_path)
+    finally:
+        provider.delete("s", grace_s=0.5)
+    message = str(raised.value)
+    assert message.startswith("workload on slice s: host 1 was killed by SIGSEGV (signal 11): ")
+    assert (
+        f"Fatal Python error: Segmentation fault (the last error in {tmp_path}/logs/s-host1.log"
+        in message
+    )
+    assert message.endswith(f"; host 0 then: {host0}")

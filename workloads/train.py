@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -256,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # force: a library may have installed a root handler already, which would swallow ours.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    # A crash (SIGSEGV, SIGABRT) then leaves its Python stack in the slice log, which the
+    # orchestrator quotes: "Fatal Python error: Segmentation fault" (this thread's alone,
+    # so that line stays near the log's end).
+    faulthandler.enable(all_threads=False)
     notice = PreemptionNotice()
     notice.install()  # before the slow imports and start-up: a notice then is not lost
     try:

@@ -157,6 +157,8 @@ class SliceStatus:
         labels: the slice's labels.
         failure: why the workload failed, when the provider knows more than its exit code
             (a worker that failed in its start-up script, before the workload ran).
+        host: of a slice of several hosts, the one whose exit `exit_code` is, when the
+            provider knows it (the others' exits may only be what its exit did to them).
     """
 
     name: str
@@ -164,6 +166,7 @@ class SliceStatus:
     exit_code: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     failure: str | None = None
+    host: int | None = None
 
 
 @runtime_checkable

@@ -173,7 +173,8 @@ class GcpSliceProvider(TpuZones):
         if state is SliceState.READY:
             ended = exit_status(self.storage, node)
             if ended is not None:
-                return SliceStatus(name, SliceState.TERMINATED, ended[0], labels, ended[1])
+                code, failure, host = ended
+                return SliceStatus(name, SliceState.TERMINATED, code, labels, failure, host)
         return SliceStatus(name, state, None, labels)
 
     def delete(self, name: str, grace_s: float = 5.0, *, where: LabelTest | None = None) -> bool:

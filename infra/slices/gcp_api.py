@@ -116,10 +116,11 @@ def spot_request(parent: str, name: str, node: tpu_v2.Node, timeout_s: float):
     )
 
 
-def exit_status(storage: Any, node: tpu_v2.Node) -> tuple[int, str | None] | None:
+def exit_status(storage: Any, node: tpu_v2.Node) -> tuple[int, str | None, int | None] | None:
     """The workload's exit code once every worker left an exit record in GCS (or one
-    failed), with what failed when a record says more than its code (`startup_failure`);
-    None while some are still running, or without a storage client."""
+    failed), with what failed when a record says more than its code (`startup_failure`)
+    and, of several workers, the one that failed; None while some are still running, or
+    without a storage client."""
     uri = node.metadata.get(MD_EXIT_URI)
     if not uri or storage is None:
         return None
@@ -143,9 +144,11 @@ def exit_status(storage: Any, node: tpu_v2.Node) -> tuple[int, str | None] | Non
             f"gs://{bucket} deleted during the run?)"
         ) from e
     failed = [r for _, r in sorted(records.items()) if int(r["exit_code"]) != 0]
+    hosts = int(node.metadata.get(MD_HOSTS, "1"))
     if failed:  # one dead worker stalls the rest in their collectives
-        return int(failed[0]["exit_code"]), startup_failure(failed[0], node)
-    return (0, None) if len(records) >= int(node.metadata.get(MD_HOSTS, "1")) else None
+        worker = int(failed[0]["worker"]) if hosts > 1 else None
+        return int(failed[0]["exit_code"]), startup_failure(failed[0], node), worker
+    return (0, None, None) if len(records) >= hosts else None
 
 
 def startup_failure(record: dict, node: tpu_v2.Node) -> str | None:

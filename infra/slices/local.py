@@ -135,7 +135,8 @@ class LocalSliceProvider:
         if record is None:
             return SliceStatus(name, SliceState.NOT_FOUND)
         state, code = self._state(record, proc)
-        return SliceStatus(name, state, code, dict(record["labels"]))
+        host = proc.cause_host() if proc is not None else None
+        return SliceStatus(name, state, code, dict(record["labels"]), host=host)
 
     def delete(self, name: str, grace_s: float = 5.0, *, where: LabelTest | None = None) -> bool:
         """SIGTERM the group, SIGKILL it after `grace_s`, then drop the record.

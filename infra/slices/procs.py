@@ -65,6 +65,14 @@ class HostGroup:
             return None
         return next((c for c in codes if c != 0), 0)
 
+    def cause_host(self) -> int | None:
+        """Of several hosts, the first whose exit code is the group's (`returncode`), once
+        it is one of a failure; None for one host, while running, or after a clean exit."""
+        code = self.returncode
+        if len(self.procs) < 2 or code in (None, 0):
+            return None
+        return next((i for i, p in enumerate(self.procs) if p.returncode == code), None)
+
     def poll(self) -> int | None:
         for p in self.procs:
             p.poll()

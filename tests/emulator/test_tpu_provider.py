@@ -273,7 +273,7 @@ def test_exit_records_in_gcs_turn_a_ready_node_terminated(fake_tpu, gcs_client, 
     assert provider.status("tpupipe-r1").state is SliceState.READY  # worker 1 still runs
     record(1, 75)
     status = provider.status("tpupipe-r1")
-    assert (status.state, status.exit_code) == (SliceState.TERMINATED, 75)
+    assert (status.state, status.exit_code, status.host) == (SliceState.TERMINATED, 75, 1)
 
 
 def test_a_worker_failing_in_its_start_up_script_is_reported_as_such(
