@@ -178,9 +178,14 @@ def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
 
         refusals = (SchemaError, LocationError)
         where, wait = f"metrics.dataset = {metrics.dataset!r}", PRESTART_WAIT_S
+    problem = None
     try:
         build_sink(metrics.sink, plan.metrics_path, metrics, wait).ensure_sweep_table()
     except refusals as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        problem = f"{where}: {exc}"
     except Exception as exc:  # the check is advisory (see above)
         logging.getLogger(__name__).warning("could not check the sweeps table: %s", exc)
+    if problem is not None:
+        # Raised outside the handler, so the sink's error is not its context: that error's
+        # frames hold the DuckDB connection, and the flow run's failed state keeps it.
+        raise ConfigError(problem)

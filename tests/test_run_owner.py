@@ -99,32 +99,3 @@ def test_a_sweep_is_refused_before_any_trial_when_a_trial_landed_from_elsewhere(
     assert "/elsewhere/runs/sw-t01" in str(err.value) and "trial 0" not in str(err.value)
     # Deployed trials land from their worker, whose metrics file is not this one.
     check_trials(trials, local_inputs=False)
-
-
-def test_a_sweeps_table_that_would_refuse_the_rows_is_refused_before_any_trial(
-    tmp_path, prefect_harness
-):
-    # It failed the sweep's landing, once every trial had trained.
-    import duckdb
-    from prefect import flow
-
-    from infra.metrics.duckdb_tables import create_table_sql
-    from infra.metrics.rows import SweepRow
-    from tasks.access import check_sweeps_table
-    from tasks.sweep_plan import plan_sweep
-    from tasks.sweep_space import SearchSpace, SweepConfig
-
-    shared = tmp_path / "shared.duckdb"
-    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
-    check_sweeps_table(config, plan_run(config))  # no file yet: nothing to check, none made
-    assert not shared.exists()
-    with duckdb.connect(str(shared)) as con:  # made by hand: every trial's error NOT NULL
-        con.execute(create_table_sql(SweepRow).replace("error VARCHAR", "error VARCHAR NOT NULL"))
-    with pytest.raises(ConfigError) as err:
-        check_sweeps_table(config, plan_run(config))
-    assert f"metrics.path = '{shared}'" in str(err.value)
-    assert "sweeps: column error is NOT NULL" in str(err.value)
-    # The sweep's plan checks it, before any trial is admitted.
-    sweep = SweepConfig(base=config, space=SearchSpace(grid={"seed": [1]}), sweep_name="sw")
-    with pytest.raises(ConfigError, match="sweeps: column error is NOT NULL"):
-        flow(lambda: plan_sweep.fn(sweep, None, False), name="plan")()

@@ -316,3 +316,33 @@ def test_the_plan_s_log_counts_the_trials_the_chip_limit_admits_at_once(
     assert sweep_plan._most_at_once(12, [8, 4, 8, 4]) == 2
     assert sweep_plan._most_at_once(12, [4, 4, 4, 8]) == 3
     assert sweep_plan._most_at_once(8, [16]) == 1
+
+
+def test_the_plan_refuses_a_sweeps_table_that_would_refuse_the_rows(tmp_path, prefect_harness):
+    # It failed the sweep's landing, once every trial had trained.
+    import duckdb
+    from prefect import flow
+
+    from infra.metrics.duckdb_tables import create_table_sql
+    from infra.metrics.rows import SweepRow
+    from tasks.access import check_sweeps_table
+    from tasks.plan import plan_run
+    from tasks.sweep_plan import plan_sweep
+    from tasks.sweep_space import SearchSpace, SweepConfig
+
+    shared = tmp_path / "shared.duckdb"
+    config = tiny_config(tmp_path / "root", f"metrics.path={shared}")
+    check_sweeps_table(config, plan_run(config))  # no file yet: nothing to check, none made
+    assert not shared.exists()
+    # Made by hand: every trial's error NOT NULL. (No connection left in this frame: the
+    # failed flow run's traceback keeps it alive, and DuckDB then warns of leaks at exit.)
+    made_by_hand = create_table_sql(SweepRow).replace("error VARCHAR", "error VARCHAR NOT NULL")
+    duckdb.connect(str(shared)).execute(made_by_hand).close()
+    with pytest.raises(ConfigError) as err:
+        check_sweeps_table(config, plan_run(config))
+    assert f"metrics.path = '{shared}'" in str(err.value)
+    assert "sweeps: column error is NOT NULL" in str(err.value)
+    # The sweep's plan checks it, before any trial is admitted.
+    sweep = SweepConfig(base=config, space=SearchSpace(grid={"seed": [1]}), sweep_name="sw")
+    with pytest.raises(ConfigError, match="sweeps: column error is NOT NULL"):
+        flow(lambda: plan_sweep.fn(sweep, None, False), name="plan")()
