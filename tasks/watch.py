@@ -199,10 +199,10 @@ def watch_slice(
         final = {**final, "error": status.failure}
     elif status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None):
         error = _with_host_errors(final.get("error"), run_dir, attempt, started)
-        if status.host:
-            # Another host's exit ended the slice, and host 0's error (a collective's
-            # "Connection reset by peer") or log line is what that did to it: that host's
-            # own log says more, of a crash too (the workload's faulthandler writes it).
+        if status.host and status.host not in _host_records(run_dir, attempt, started):
+            # Another host's exit ended the slice without its own record (a signal), and
+            # host 0's error (a collective's "Connection reset by peer") or log line is what
+            # that did to it: that host's log says more (the workload's faulthandler).
             own = _last_log_line(run_dir, name, log_path, status.host)
             error = "; ".join(filter(None, [own, error and f"host 0 then: {error}"]))
         final = {**final, "error": error or _last_log_line(run_dir, name, log_path)}
@@ -228,9 +228,11 @@ def _last_log_line(
     if log_path is None and root is None:
         return None
     path = log_path or str(epath.Path(root) / "logs" / f"{name}.log")
-    if host and "://" in path:  # a gcp worker's log is on its VM
-        return None
-    return log_error(epath.Path(host_log_path(path, host)))
+    if host:
+        if "://" in path:  # a gcp worker's log is on its VM
+            return None
+        path = str(host_log_path(path, host))
+    return log_error(epath.Path(path))
 
 
 def _with_host_errors(
@@ -239,16 +241,22 @@ def _with_host_errors(
     """`error` (host 0's, or its log's last line) with this attempt's errors of the other
     hosts (`RunDir.host_failures`) that differ from it: only host 0 writes the heartbeat,
     and a host that failed alone (its input, its disk) says why in its own record."""
-    try:
-        records = run_dir.host_failures()
-    except OSError:
-        records = {}
+    records = _host_records(run_dir, attempt, started)
     others = [
         f"host {host}: {record.get('error')}"
         for host, record in records.items()
-        if _ours(record, attempt, started) and record.get("error") not in (None, error)
+        if record.get("error") not in (None, error)
     ]
     return "; ".join(([error] if error else []) + others) or None
+
+
+def _host_records(run_dir: RunDir, attempt: int | None, started: float) -> dict[int, dict]:
+    """This attempt's failure records of hosts other than 0 (`RunDir.host_failures`)."""
+    try:
+        records = run_dir.host_failures()
+    except OSError:
+        return {}
+    return {host: r for host, r in records.items() if _ours(r, attempt, started)}
 
 
 def _ours(heartbeat: dict, attempt: int | None, started: float) -> bool:

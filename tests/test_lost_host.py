@@ -126,3 +126,38 @@ def test_a_host_that_crashes_is_named_with_its_signal_and_its_own_log(tmp_path):
         in message
     )
     assert message.endswith(f"; host 0 then: {host0}")
+
+
+class EndedOn(Ended):
+    """A provider whose slice has ended with `code`, host `host`'s exit."""
+
+    def __init__(self, code: int, host: int) -> None:
+        super().__init__(code)
+        self.host = host
+
+    def status(self, name: str) -> SliceStatus:
+        return SliceStatus(name, SliceState.TERMINATED, self.code, host=self.host)
+
+
+def test_a_host_that_failed_with_its_own_record_is_named_by_it_and_logs_stay_where_they_are(
+    tmp_path, monkeypatch
+):
+    from tasks import watch
+
+    rd = RunDir(tmp_path)
+    rd.write_status("training", step=5, attempt=2)
+    rd.write_host_failure(1, "OSError: shard 7 is unreadable", attempt=2)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "s-host1.log").write_text("OSError: shard 7 is unreadable\n")
+    with pytest.raises(WorkloadFailed) as raised:
+        watch_slice(EndedOn(1, 1), "s", rd, SETTINGS, lambda m: None, attempt=2)
+    assert str(raised.value) == (
+        "workload on slice s: host 1 exited with code 1: host 1: OSError: shard 7 is unreadable"
+    )
+    # A gcp slice's log is read where it is (gs://), not as a local path; a worker's is not.
+    read = []
+    monkeypatch.setattr(watch, "log_error", lambda path: read.append(str(path)))
+    log_path = "gs://b/runs/r/logs/s.log"
+    assert watch._last_log_line(rd, "s", log_path) is None
+    assert watch._last_log_line(rd, "s", log_path, host=1) is None
+    assert read == [log_path]
