@@ -134,8 +134,8 @@ def _validate(path: str, config, price) -> int:
     see (local sources, the tokenizer file, an existing local run); exit 0 or 2."""
     from tasks.plan import plan_run
     from tasks.prepare import DatasetError, check_inputs
+    from tasks.run_lock import training_now
     from tasks.run_owner import check_run_owner
-    from workloads.rundir import RunDir
 
     remote = [s for s in config.dataset.sources if "://" in s]
     try:
@@ -149,15 +149,8 @@ def _validate(path: str, config, price) -> int:
         f"{path}: valid\n  sources: {files} local file(s){unchecked}\n"
         f"  cost: {price.chips} chips, {price.describe()}"
     )
-    timeout = config.slice.heartbeat_timeout_s
-    if "://" not in plan.run_dir and (live := RunDir(plan.run_dir).live_workload(timeout)):
-        then = "stops before provisioning"  # `tasks.run_lock.run_held`
-        if (attempt := live.get("attempt")) is not None:  # its lease, unless its orchestrator runs
-            then += f" while its orchestrator runs, and otherwise takes over from attempt {attempt}"
-        print(
-            f"  note: run {plan.run_name!r} is training now "
-            f"({RunDir.describe_beat(live)}): `tpupipe run` of it now {then}"
-        )
+    if (note := training_now(plan, config)) is not None:
+        print(f"  note: {note}")
     return 0
 
 

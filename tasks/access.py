@@ -13,6 +13,8 @@ found only when landing, after the run had trained. Every refusal names the fiel
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING
 
 from tasks.plan import is_gcs
@@ -22,6 +24,8 @@ from workloads.config_file import ConfigError
 if TYPE_CHECKING:
     from tasks.plan import RunPlan
     from workloads.config import PipelineConfig
+
+log = logging.getLogger(__name__)
 
 
 def check_backend_access(config: PipelineConfig, plan: RunPlan) -> None:
@@ -159,14 +163,10 @@ def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
     Raises:
         ConfigError: naming metrics.path or metrics.dataset and what is wrong.
     """
-    import logging
-
     from infra.metrics import build_sink
 
     metrics = config.metrics
     if metrics.sink == "duckdb":
-        import os
-
         from infra.metrics.duckdb_tables import SchemaError
 
         if not os.path.exists(plan.metrics_path):
@@ -184,7 +184,7 @@ def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
     except refusals as exc:
         problem = f"{where}: {exc}"
     except Exception as exc:  # the check is advisory (see above)
-        logging.getLogger(__name__).warning("could not check the sweeps table: %s", exc)
+        log.warning("could not check the sweeps table: %s", exc)
     if problem is not None:
         # Raised outside the handler, so the sink's error is not its context: that error's
         # frames hold the DuckDB connection, and the flow run's failed state keeps it.

@@ -65,15 +65,34 @@ def run_held(plan: RunPlan, config: PipelineConfig) -> Iterator[None]:
     with _held(plan, config, f"{plan.run_name}.lock", f"run {plan.run_name!r}", "run_name"):
         # A workload started by hand holds neither this lock nor a lease the attempts would
         # take from it: it went on writing the run directory beside the run's attempts.
-        # Local run directories only, as the lock: a gs:// one is read by its slice's hosts.
-        local = "://" not in plan.run_dir
-        live = local and RunDir(plan.run_dir).live_workload(config.slice.heartbeat_timeout_s)
-        if live and live.get("attempt") is None:
+        live = live_workload(plan, config)
+        if live is not None and live.get("attempt") is None:
             raise RunInUse(
                 f"run {plan.run_name!r} is being trained by a workload started by hand in "
                 f"{plan.run_dir} ({RunDir.describe_beat(live)}); stop it, or wait for it to end"
             )
         yield
+
+
+def live_workload(plan: RunPlan, config: PipelineConfig) -> dict | None:
+    """The heartbeat of a workload training the run now (`RunDir.live_workload`), or None.
+    Local run directories only, as the lock: a gs:// one is its slice's hosts' to read."""
+    if "://" in plan.run_dir:
+        return None
+    return RunDir(plan.run_dir).live_workload(config.slice.heartbeat_timeout_s)
+
+
+def training_now(plan: RunPlan, config: PipelineConfig) -> str | None:
+    """What `tpupipe validate` notes of a run that is training now, or None."""
+    if (live := live_workload(plan, config)) is None:
+        return None
+    then = "stops before provisioning"  # `run_held`
+    if (attempt := live.get("attempt")) is not None:  # its lease, unless its orchestrator runs
+        then += f" while its orchestrator runs, and otherwise takes over from attempt {attempt}"
+    return (
+        f"run {plan.run_name!r} is training now ({RunDir.describe_beat(live)}): "
+        f"`tpupipe run` of it now {then}"
+    )
 
 
 @contextmanager

@@ -308,4 +308,4 @@ def _is_row(row: dict[str, Any]) -> bool:
             return False
     if when is None:
         return True
-    return isinstance(when, int | float) and not isinstance(when, bool) and 0 <= when < MAX_TIME
+    return _is_number(when) and 0 <= when < MAX_TIME

@@ -212,9 +212,7 @@ class BigQuerySink:
             ValueError: no rows, or rows of several sweeps.
         """
         sweep_id = one_sweep_id(rows)
-        if not self._ready:
-            self.ensure_tables()
-        self._ensure_table(SweepRow)
+        self.ensure_sweep_table()
         trials = dedupe(rows)[SweepRow.table]
         self._stage(SweepRow, sweep_id, trials)
         merge = self._merge_sql(SweepRow, sweep_id, scope_column="sweep_id")
