@@ -168,6 +168,7 @@ def as_format_4(dataset_dir: str, out_dir: Path) -> str:
             shard["bytes"] = path.stat().st_size
             shard["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     manifest["format_version"] = 4
+    del manifest["manifest_sha256"]  # written since format 6 only
     manifest["record"] = {"dtype": "uint16", "length": length, "byte_order": "little"}
     (out_dir / "manifest.json").write_text(json.dumps(manifest))
     return str(out_dir)

@@ -310,6 +310,49 @@ def test_corrupt_manifest_or_shard_is_detected_and_rebuilt(tmp_path):
     assert files_of(result.dataset_dir) == good
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda m: m["splits"]["train"]["shards"][0].update(records=3), id="count"),
+        pytest.param(
+            lambda m: m.update(seq_len=8) or m["record"].update(length=9), id="seq_len"
+        ),
+    ],
+)
+def test_a_manifest_edited_by_hand_is_not_read_and_a_cache_hit_builds_it_again(
+    tmp_path, caplog, edit
+):
+    """An edited manifest still parsed and its shards still matched their sha256: a run
+    trained on 8-token slices of 16-token sequences and landed `completed`, or failed on
+    its slice at the record its edited count overran."""
+    cfg = cfg_for(make_corpus(tmp_path))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    good = files_of(result.dataset_dir)
+    path = Path(result.dataset_dir, "manifest.json")
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=rf"manifest\.json in .*changed after it was written"):
+        data.load_manifest(result.dataset_dir)
+
+    with caplog.at_level("WARNING", logger="workloads.data"):
+        assert not data.shard_dataset(cfg, tmp_path / "out").cached
+    assert caplog.text.count("changed after it was written") == 1  # said once
+    assert files_of(result.dataset_dir) == good
+    assert data.shard_dataset(cfg, tmp_path / "out").cached
+
+
+def test_a_deleted_shard_is_named_as_the_dataset_is_built_again(tmp_path, caplog):
+    cfg = cfg_for(make_corpus(tmp_path))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    shard = Path(result.dataset_dir, "eval-00000-of-00001.arrayrecord")
+    shard.unlink()
+    with caplog.at_level("WARNING", logger="workloads.data"):
+        assert not data.shard_dataset(cfg, tmp_path / "out").cached
+    assert caplog.text.count(f"dataset shard {shard} is missing") == 1
+    assert shard.is_file()
+
+
 def test_a_shard_replaced_by_another_builds_is_caught_by_the_cache_check_and_rebuilt(
     tmp_path, caplog
 ):
@@ -331,7 +374,7 @@ def test_a_shard_replaced_by_another_builds_is_caught_by_the_cache_check_and_reb
 
     with caplog.at_level("WARNING", logger="workloads.data"):
         assert not data.shard_dataset(cfg, tmp_path / "out").cached
-    assert f"{shard} no longer matches its manifest's sha256" in caplog.text
+    assert caplog.text.count(f"{shard} no longer matches its manifest's sha256") == 1
     assert files_of(result.dataset_dir) == good
     assert data.shard_dataset(cfg, tmp_path / "out").cached
 
@@ -347,10 +390,30 @@ def test_a_cache_hit_hashes_only_shards_whose_file_changed(tmp_path, monkeypatch
     shard.chmod(0o644)  # a new ctime, the same bytes: hashed once, then trusted again
     assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
     assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
-    # A dataset built before the signatures were recorded: trusted as before, then watched.
+    # A dataset built before the signatures were recorded: each shard hashed once, then watched.
     Path(result.dataset_dir, shard_stats.SHARD_STATS).unlink()
-    assert data.shard_dataset(cfg, tmp_path / "out").cached and hashed == [shard]
+    hashed.clear()
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and len(hashed) == 3
     assert Path(result.dataset_dir, shard_stats.SHARD_STATS).is_file()
+    assert data.shard_dataset(cfg, tmp_path / "out").cached and len(hashed) == 3
+
+
+def test_a_shard_damaged_while_its_stats_record_was_missing_is_rebuilt_not_blessed(tmp_path):
+    """A dataset copied without its dot-files (`cp dir/*`) lost its record: recording the
+    shards' signatures as they were blessed a damaged one, and the slice failed on it."""
+    cfg = cfg_for(make_corpus(tmp_path))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    good = files_of(result.dataset_dir)
+    shard = Path(result.dataset_dir, "train-00000-of-00002.arrayrecord")
+    mtime = os.stat(shard).st_mtime_ns
+    damaged = bytearray(shard.read_bytes())
+    damaged[100] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    os.utime(shard, ns=(mtime, mtime))
+    Path(result.dataset_dir, shard_stats.SHARD_STATS).unlink()
+
+    assert not data.shard_dataset(cfg, tmp_path / "out").cached
+    assert files_of(result.dataset_dir) == good
 
 
 def test_the_manifest_lists_a_source_per_line_and_reads_back_whatever_its_names(tmp_path):

@@ -47,6 +47,8 @@ from workloads.manifest import (
     SPLITS,
     TMP_PREFIX,
     load_manifest,
+    missing_shards,
+    sealed,
     shards_present,
     verify_shards,
     write_manifest,
@@ -79,6 +81,7 @@ __all__ = [
     "resolve_sources",
     "same_records",
     "shard_dataset",
+    "shards_present",
     "verify_shards",
 ]
 
@@ -133,7 +136,7 @@ def shard_dataset(
     """
     tokenizer, files, fingerprint = resolve_dataset(cfg, out_root, store)
     directory = Path(out_root) / fingerprint
-    if (cached := _complete(directory)) is not None:
+    if (cached := _complete(directory, say=False)) is not None:
         return cached
     with claimed(directory):
         if (cached := _complete(directory)) is not None:  # another run finished meanwhile
@@ -182,8 +185,9 @@ def _workers(cfg: DatasetConfig, files: list[SourceFile]) -> int:
     return os.cpu_count() or 1
 
 
-def _complete(directory: Path) -> ShardResult | None:
-    """The dataset already complete in `directory`, or None if it must be (re)built.
+def _complete(directory: Path, say: bool = True) -> ShardResult | None:
+    """The dataset already complete in `directory`, or None if it must be (re)built; with
+    `say`, a warning says why a dataset whose manifest exists is built again.
 
     Raises:
         DatasetError: the directory or its manifest cannot be read (say, another user's
@@ -193,20 +197,30 @@ def _complete(directory: Path) -> ShardResult | None:
         if not (directory / MANIFEST).is_file():
             return None
         manifest = load_manifest(directory)
-    except DatasetError:
-        return None  # a corrupt manifest is rebuilt like a missing one
+    except DatasetError as exc:  # a corrupt or edited manifest is rebuilt like a missing one
+        if say:
+            log.warning("%s; building %s again", exc, directory)
+        return None
     except OSError as exc:  # is_file() answers False only for a missing path
         reason = exc.strerror or exc
         raise DatasetError(f"cannot read the dataset directory {directory}: {reason}") from None
-    if not shards_present(directory, manifest):
-        return None  # a deleted or truncated shard too
+    if missing := missing_shards(directory, manifest):  # deleted or truncated
+        if say:
+            log.warning(
+                "dataset shard %s is missing or not the size its manifest records; building "
+                "%s again",
+                ", ".join(missing),
+                directory,
+            )
+        return None
     changed = changed_shards(directory, manifest)
     if changed:  # replaced since the build (another build's shard): built again
-        log.warning(
-            "dataset shard %s no longer matches its manifest's sha256; building %s again",
-            ", ".join(changed),
-            directory,
-        )
+        if say:
+            log.warning(
+                "dataset shard %s no longer matches its manifest's sha256; building %s again",
+                ", ".join(changed),
+                directory,
+            )
         return None
     shutil.rmtree(directory / WORK_DIR, ignore_errors=True)  # killed after the manifest
     return ShardResult(str(directory), manifest, cached=True)
@@ -249,21 +263,23 @@ def _manifest(
     files: list[SourceFile],
     splits: dict,
 ) -> dict:
-    return {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "tokenizer": tokenizer.manifest_entry(),
-        "record": {
-            "dtype": tokenizer.dtype,
-            "length": cfg.seq_len + 1,
-            "byte_order": "little",
-            "eod": tokenizer.stored_eod,
-            "sequences": record_sequences(cfg.seq_len, tokenizer.dtype),
-        },
-        "seq_len": cfg.seq_len,
-        "splits": split_entries(splits, cfg.seq_len),
-        "sources": [
-            {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
-        ],
-        "options": byte_options(cfg, files),
-    }
+    return sealed(
+        {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "tokenizer": tokenizer.manifest_entry(),
+            "record": {
+                "dtype": tokenizer.dtype,
+                "length": cfg.seq_len + 1,
+                "byte_order": "little",
+                "eod": tokenizer.stored_eod,
+                "sequences": record_sequences(cfg.seq_len, tokenizer.dtype),
+            },
+            "seq_len": cfg.seq_len,
+            "splits": split_entries(splits, cfg.seq_len),
+            "sources": [
+                {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
+            ],
+            "options": byte_options(cfg, files),
+        }
+    )

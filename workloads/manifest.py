@@ -2,7 +2,14 @@
 
 A dataset directory without a manifest is an interrupted run and is never read. The manifest
 lists every shard with its record count, size and sha256, the tokenizer, the record layout,
-the options and sources the dataset was built from, and its fingerprint.
+the options and sources the dataset was built from, its fingerprint, and the sha256 of
+all that (`DIGEST`).
+
+Why the digest: a manifest edited by hand (a record count, `seq_len`) still parsed, and its
+shards still matched their sha256: a run trained on 16-token slices of 32-token sequences
+and landed `completed`, or failed on its slice hundreds of steps in. A manifest whose
+content no longer matches its digest is not read; a cache hit builds the dataset again.
+Manifests written before the digest existed have none and are read as before.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # records (5 and 6 changed only how ids are stored): a run may resume over either (`same_records`).
 SAME_RECORDS_SINCE = 4
 TMP_PREFIX = ".tmp-"
+DIGEST = "manifest_sha256"  # the sha256 of the manifest's text without this field
 SPLITS = ("train", "eval")
 
 
@@ -70,6 +78,8 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
         per = sequences_per_record(manifest)
         if not _count(per) or per < 1:
             raise ValueError(f"record sequences {per!r} is not a positive integer")
+        if DIGEST in manifest and manifest[DIGEST] != manifest_digest(manifest):
+            raise ValueError(f"it was changed after it was written (its {DIGEST} does not match)")
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
     return manifest
@@ -128,15 +138,23 @@ def verify_shards(dataset_dir: str | os.PathLike) -> None:
 def shards_present(dataset_dir: str | os.PathLike, manifest: dict) -> bool:
     """Whether every shard exists with the size the manifest records: the cheap check a
     cache hit makes (a full `verify_shards` reads every byte)."""
+    return not missing_shards(dataset_dir, manifest)
+
+
+def missing_shards(dataset_dir: str | os.PathLike, manifest: dict) -> list[str]:
+    """Paths of the shards the manifest lists that are missing or of another size."""
+    missing = []
     for split in SPLITS:
         for shard in manifest["splits"][split]["shards"]:
+            path = Path(dataset_dir) / shard["name"]
             try:
-                size = os.stat(Path(dataset_dir) / shard["name"]).st_size
+                size = os.stat(path).st_size
             except OSError:
-                return False
+                missing.append(str(path))
+                continue
             if "bytes" in shard and size != shard["bytes"]:
-                return False
-    return True
+                missing.append(str(path))
+    return missing
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -166,6 +184,18 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, Path(dataset_dir) / MANIFEST)
     _fsync(dataset_dir)
+
+
+def sealed(manifest: dict) -> dict:
+    """`manifest` with its digest (`DIGEST`), as `write_manifest` must write it."""
+    return {**manifest, DIGEST: manifest_digest(manifest)}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the text `manifest_text` gives for `manifest` without its digest field:
+    the same for the dict written and the one read back (JSON keeps every value exactly)."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    return hashlib.sha256(manifest_text(body).encode()).hexdigest()
 
 
 def records_fields(manifest: dict) -> dict:
