@@ -18,7 +18,7 @@ from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
     missing_steps,
     run_ledger,
 )
-from tasks.plan import RunPlan
+from tasks.plan import RunPlan, run_events
 from tasks.progress import loss_curve_link, write_loss_curve
 from tasks.run_owner import RunOwnerConflict, owner_problem
 from workloads.checkpoint import VerifiedCheckpoint
@@ -158,6 +158,13 @@ def land_metrics(
         kept = {k: getattr(stored, k) if stored else None for k in LEDGER_COLUMNS}
         run = run.model_copy(update=kept)
     landed = sink.land(run, steps, evals)
+    # The invocation whose row this is, recorded in the run directory (no attempt's: the
+    # ledger counts no time for it): a moved storage root's runs are known by it
+    # (`tasks.run_owner.owner_problem`), a rerun that only evaluated again included.
+    try:
+        run_events(plan, None).emit("landed", status=run.status)
+    except Exception as exc:  # landed: the record only helps a later move of the root
+        logger.warning("could not record the landing in %s/events.jsonl: %s", plan.run_dir, exc)
     logger.info(
         "landed run %s (%s): %d step rows, %d eval rows in %s%s",
         run.run_id,

@@ -8,16 +8,27 @@ first's `started_at`, the first run's step rows past the second's final step sta
 it, and a failed third run landed one row from three runs' results. The run checks,
 before anything is sharded or provisioned, that a landed row of its name, if any, names
 its own run directory.
+
+A storage root moved elsewhere (another disk, another machine) takes its run directories
+along, and with them the invocations their events record. The row of a run whose
+directory holds the invocation that landed it, while the directory it names is gone, is
+this run's, landed before the move: a moved root's runs were all refused, naming a
+directory that no longer existed, and the advice (another run name) threw away their
+checkpoints. A copy beside a directory that still exists is refused, saying so.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+
+from etils import epath
 
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
+from workloads.events import EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +76,19 @@ class RunOwnerConflict(RuntimeError):
 def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
     """Why `row`, the landed `runs` row of this run's name (or None), is not this run's to
     replace, or None. A row that names no run directory (landed before the column
-    existed) is taken as this run's."""
+    existed) is taken as this run's, as is one landed from where this run's directory
+    was moved from (see the module docstring)."""
     if row is None or row.run_dir is None or same_directory(row.run_dir, plan.run_dir):
+        return None
+    copied = row.flow_run_id is not None and row.flow_run_id in recorded_invocations(plan.run_dir)
+    if copied and not _exists(row.run_dir):
+        log.info(
+            "run %s landed from %s, which is gone; this run directory, %s, holds that run's "
+            "attempts (a moved storage root): its rows now name this one",
+            config.run_name,
+            row.run_dir,
+            plan.run_dir,
+        )
         return None
     metrics = config.metrics
     where = (
@@ -74,12 +96,44 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
         if metrics.sink == "duckdb"
         else f"metrics.dataset {metrics.dataset}"
     )
+    if copied:
+        there = "is not looked up" if "://" in row.run_dir else "still exists"
+        return (
+            f"run_name = {config.run_name!r}: this run directory, {plan.run_dir}, is a copy "
+            f"of {row.run_dir} (it holds the attempts that landed from there, in {where}), "
+            f"which {there}: both would land under one name. Delete or move away one of "
+            "them, or give this one another metrics sink"
+        )
     return (
         f"run_name = {config.run_name!r}: a run of this name from another run directory, "
         f"{row.run_dir}, has landed in {where} ({row.status}, {row.final_step} steps); this "
         f"run's directory is {plan.run_dir}. Its rows would be replaced by and mixed with "
         "this run's: give this run another run_name, or another metrics sink"
     )
+
+
+def recorded_invocations(run_dir: str) -> set[str]:
+    """The flow runs (invocations) the orchestrator's events in `run_dir` were written by;
+    lines that are not JSON objects are skipped."""
+    try:
+        text = epath.Path(run_dir, EVENTS).read_bytes().decode("utf-8", "replace")
+    except OSError:
+        return set()
+    found = set()
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and isinstance(event.get("invocation"), str):
+            found.add(event["invocation"])
+    return found
+
+
+def _exists(run_dir: str) -> bool:
+    """Whether a run directory is there; a gs:// one is taken as there (never looked up:
+    the check reads no bucket), so a root copied between buckets stays refused."""
+    return "://" in run_dir or os.path.exists(run_dir)
 
 
 def same_directory(landed: str, ours: str) -> bool:

@@ -278,3 +278,33 @@ def test_a_run_of_the_same_name_landed_meanwhile_from_another_root_is_not_replac
 
 
 STEP_COUNT = "SELECT count(*) FROM step_metrics WHERE run_id = ?"
+
+
+def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(
+    finished, tmp_path
+):
+    # Moving a root took the run's landed row's directory away: every run of the moved
+    # root was refused as "a run of this name from another run directory", naming the
+    # gone one, and the advice (another run_name) threw away its checkpoints.
+    import shutil
+
+    from tasks.plan import plan_run
+    from tasks.run_owner import check_run_owner
+    from workloads.config_file import ConfigError
+
+    metrics = tmp_path / "m.duckdb"
+    shutil.copytree(finished, tmp_path / "a")
+    rerun(tmp_path / "a", metrics)  # only evaluates: its invocation is recorded at landing
+    (tmp_path / "a").rename(tmp_path / "b")
+    assert rerun(tmp_path / "b", metrics).eval_loss
+    sink = DuckDBSink(metrics)
+    row = "SELECT run_dir, status FROM runs WHERE run_id = ?"
+    assert sink.query(row, [NAME]) == [(str(tmp_path / "b" / "runs" / NAME), "completed")]
+
+    shutil.copytree(tmp_path / "b", tmp_path / "c")  # b still there: one name, two runs
+    copy = tiny_config(tmp_path / "c", f"run_name={NAME}", f"metrics.path={metrics}")
+    with pytest.raises(ConfigError, match=r"runs/landed, is a copy of .*/b/runs/landed"):
+        check_run_owner(copy, plan_run(copy))
+    other = tiny_config(tmp_path / "d", f"run_name={NAME}", f"metrics.path={metrics}")
+    with pytest.raises(ConfigError, match="a run of this name from another run directory"):
+        check_run_owner(other, plan_run(other))  # no history of it: another run
