@@ -76,3 +76,40 @@ def test_only_a_fresh_heartbeat_of_a_workload_still_running_counts(tmp_path):
         assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0]) is None
     (tmp_path / STATUS).write_text('{"phase": "training", "time": "soon"}')
     assert beside_live_workload(str(tmp_path), 120, env={}, clock=lambda: now[0]) is None
+
+
+@pytest.mark.parametrize("tool", ["workloads.train", "workloads.evaluate"])
+def test_a_config_json_of_a_copied_or_moved_root_is_refused_writing_nowhere(run, tmp_path, tool):
+    """config.json names its run directory by absolute path: read from a copied root, the
+    workload trained (and evaluation evaluated) the original's run directory, writing its
+    status and events; from a moved one it died on a directory that no longer existed."""
+    import shutil
+
+    plan, path = run
+    RunDir(plan.run_dir).write_status("finished", attempt=1, step=30)
+    copy = tmp_path / "copy"
+    shutil.copytree(plan.run_dir, copy)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "runs" / "tiny").iterdir()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUPIPE_")}
+    out = subprocess.run(
+        [sys.executable, "-m", tool, "--config", str(copy / "config.json")],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert f"names the run directory {plan.run_dir}, not the one it is in ({copy})" in out.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "runs" / "tiny").iterdir()} == before
+    assert sorted(os.listdir(copy)) == sorted(before)
+
+
+def test_a_config_json_kept_outside_any_run_directory_is_used_as_it_names(run, tmp_path):
+    from workloads.config_file import load_workload_config, misplaced_config
+
+    plan, path = run
+    kept = tmp_path / "elsewhere" / "config.json"
+    kept.parent.mkdir()
+    kept.write_bytes(open(path, "rb").read())
+    assert misplaced_config(str(kept), load_workload_config(str(kept))) is None
+    assert misplaced_config(path, load_workload_config(path)) is None

@@ -217,3 +217,41 @@ def load_workload_config(path: str) -> WorkloadConfig:
         msg = first["msg"].removeprefix("Value error, ")
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise ConfigError(f"{path}: not a workload config: {where}: {msg}{more}") from None
+
+
+# What only a run directory holds beside its config.json.
+_RUN_DIR_MARKS = ("events.jsonl", "status.json", "checkpoints")
+
+
+def misplaced_config(path: str, wcfg: WorkloadConfig) -> str | None:
+    """Why the workload alone must not use the run's `config.json` at `path`, or None: it
+    lies in a run directory other than the `run_dir` it names.
+
+    Why: `config.json` names its run directory (and dataset) by absolute path. Read from a
+    copy of a storage root, the workload trained, and evaluation evaluated, the original's
+    run directory, writing its status and events; from a moved root, they found no
+    checkpoint, or died on a directory that no longer existed. `tpupipe run` of the run
+    rewrites the file for where it now is.
+    """
+    from etils import epath
+
+    here = epath.Path(path).parent
+    if not any((here / mark).exists() for mark in _RUN_DIR_MARKS):
+        return None  # a config.json kept elsewhere (edited, say): it names where to work
+    if _same_place(str(here), wcfg.run_dir):
+        return None
+    return (
+        f"{path} names the run directory {wcfg.run_dir}, not the one it is in ({here}): "
+        "the storage root was copied or moved, and the workload would work in the other "
+        "directory. `tpupipe run` of this run (its config with this storage.root) rewrites "
+        "it for this place"
+    )
+
+
+def _same_place(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is gone
+        return os.path.realpath(a) == os.path.realpath(b)

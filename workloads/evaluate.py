@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from workloads import checkpoint, input
 from workloads.config import MeshConfig, WorkloadConfig
-from workloads.config_file import ConfigError, load_workload_config
+from workloads.config_file import ConfigError, load_workload_config, misplaced_config
 from workloads.eval_bytes import ScoredBytes
 from workloads.model import Transformer, token_losses
 from workloads.rundir import EVAL, read_json, write_json_atomic
@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         wcfg = load_workload_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    if elsewhere := misplaced_config(args.config, wcfg):
+        print(elsewhere, file=sys.stderr)
         return 2
     steps = checkpoint.committed_steps(wcfg.run_dir)
     if not steps:

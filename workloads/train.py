@@ -27,7 +27,7 @@ from etils import epath
 
 from workloads import checkpoint, input
 from workloads.config import WorkloadConfig
-from workloads.config_file import ConfigError, load_workload_config
+from workloads.config_file import ConfigError, load_workload_config, misplaced_config
 from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost, beside_live_workload
 from workloads.hosts import PreemptionNotice, host_index, init_distributed, record_failure
@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         wcfg = load_workload_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 1
+    if elsewhere := misplaced_config(args.config, wcfg):
+        print(elsewhere, file=sys.stderr)
         return 1
     if busy := beside_live_workload(wcfg.run_dir, wcfg.pipeline.slice.heartbeat_timeout_s):
         print(busy, file=sys.stderr)
