@@ -236,10 +236,10 @@ def misplaced_config(path: str, wcfg: WorkloadConfig) -> str | None:
     from etils import epath
 
     here = epath.Path(path).parent
-    if not any((here / mark).exists() for mark in _RUN_DIR_MARKS):
-        return None  # a config.json kept elsewhere (edited, say): it names where to work
     if _same_place(str(here), wcfg.run_dir):
         return None
+    if not any((here / mark).exists() for mark in _RUN_DIR_MARKS):
+        return None  # a config.json kept elsewhere (edited, say): it names where to work
     return (
         f"{path} names the run directory {wcfg.run_dir}, not the one it is in ({here}): "
         "the storage root was copied or moved, and the workload would work in the other "
