@@ -54,9 +54,19 @@ def finished_training(
     None when training is not finished. A final checkpoint that fails verification is
     quarantined and None returned: training resumes from the checkpoint before it.
     """
-    if checkpoint.latest_step(plan.run_dir) != config.train.steps:
+    final = config.train.steps
+    steps = checkpoint.committed_steps(plan.run_dir)
+    if final not in steps:
         return None
     logger = get_run_logger()
+    for step in [s for s in steps if s > final]:
+        # No attempt of this run saves past its last step (train.steps is a training
+        # field): a step there was copied in. It made a finished run provision a slice,
+        # for its workload only to quarantine it.
+        reason = f"step {step} is past train.steps ({final}): no attempt of this run saved it"
+        checkpoint.quarantine(plan.run_dir, step, reason)
+        run_events(plan, None).emit("quarantined", step=step, reason=reason)
+        logger.warning("checkpoint step %d moved to quarantine: %s", step, reason)
     try:
         verified = _verify_final(config, plan)
     except checkpoint.CheckpointError as exc:

@@ -308,3 +308,25 @@ def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(
     other = tiny_config(tmp_path / "d", f"run_name={NAME}", f"metrics.path={metrics}")
     with pytest.raises(ConfigError, match="a run of this name from another run directory"):
         check_run_owner(other, plan_run(other))  # no history of it: another run
+
+
+def test_a_step_past_the_final_one_is_quarantined_without_provisioning(finished, tmp_path):
+    # A step copied in past train.steps (another run's) made a finished run provision a
+    # slice, only for its workload to quarantine that step.
+    import shutil
+
+    shutil.copytree(finished, tmp_path / "a")
+    run_dir = tmp_path / "a" / "runs" / NAME
+    final = tiny_config(tmp_path / "a").train.steps
+    shutil.copytree(run_dir / "checkpoints" / str(final), run_dir / "checkpoints" / "1000")
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+
+    assert rerun(tmp_path / "a", tmp_path / "m.duckdb").final_step == final
+    new = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    new = new[len(lines) :]
+    assert [e["event"] for e in new] == ["quarantined", "landed"]
+    assert new[0]["step"] == 1000 and f"past train.steps ({final})" in new[0]["reason"]
+    kept = {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert str(final) in kept and "1000" not in kept
+    (moved,) = (run_dir / "quarantine").iterdir()
+    assert moved.name.startswith("1000-")
