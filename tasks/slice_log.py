@@ -30,7 +30,8 @@ _NEARLY_FULL = 1 << 20  # bytes free below which the log's disk is called full
 def log_error(path: epath.Path) -> str | None:
     """The error the log at `path` ends with, saying where it was read, or None (no log,
     or nothing in it): its last exception line when it has one near its end, else its
-    last line; with a note when the log's (local) disk is full."""
+    last line, saying that it holds no error; with a note when the log's (local) disk is
+    full."""
     try:
         with path.open("rb") as f:
             size = f.seek(0, 2)
@@ -45,10 +46,14 @@ def log_error(path: epath.Path) -> str | None:
     if not lines:
         return None
     raised = [line for line in lines if _EXCEPTION_LINE.fullmatch(line)]
-    line, said = (raised[-1], "the last error in") if raised else (lines[-1], "the last line of")
+    line = raised[-1] if raised else lines[-1]
     if len(line) > 400:
         line = line[:400] + " ..."
-    return f"{line} ({said} {path}{_full_disk_note(path)})"
+    if raised:
+        return f"{line} (the last error in {path}{_full_disk_note(path)})"
+    # Said as such: a workload that exited with a code and no error (`os._exit(3)`) had a
+    # routine library line quoted as if it were the cause.
+    return f"{line} (no error in {path}, which ends with this line{_full_disk_note(path)})"
 
 
 def _full_disk_note(path: epath.Path) -> str:

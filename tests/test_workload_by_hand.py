@@ -113,3 +113,22 @@ def test_a_config_json_kept_outside_any_run_directory_is_used_as_it_names(run, t
     kept.write_bytes(open(path, "rb").read())
     assert misplaced_config(str(kept), load_workload_config(str(kept))) is None
     assert misplaced_config(path, load_workload_config(path)) is None
+
+
+def test_the_refusal_names_another_machine_and_no_missing_step(tmp_path):
+    # "heartbeat 'starting' at step None", and a dead workload said to count as running
+    # for slice.heartbeat_timeout_s although one on this machine stops counting at once.
+    from workloads.rundir import HOST
+
+    beat = {"pid": 7, "phase": "starting", "step": None, "age_s": 0.2, "host": HOST}
+    assert RunDir.describe_beat(beat) == "pid 7: heartbeat 'starting', 0 s ago"
+    beat = {**beat, "host": "tpu-vm-3", "step": 12, "phase": "training"}
+    assert (
+        RunDir.describe_beat(beat) == "pid 7 on tpu-vm-3: heartbeat 'training' at step 12, 0 s ago"
+    )
+    RunDir(tmp_path).write_status("starting", attempt=2)
+    problem = beside_live_workload(str(tmp_path), 600, env={})
+    assert "heartbeat 'starting', " in problem and "at step" not in problem
+    assert "at once on this machine, and 600 s after its last heartbeat if it ran on another" in (
+        problem
+    )

@@ -136,6 +136,7 @@ def beside_live_workload(
     return (
         f"{run_dir} is being trained by {who} ({RunDir.describe_beat(live)}); the "
         "workload alone beside it would write into the same checkpoints, metrics and "
-        "heartbeat. Wait for it to end: a workload that died stops counting as running "
-        f"{timeout_s:g} s after its last heartbeat (slice.heartbeat_timeout_s)"
+        "heartbeat. Wait for it to end: a workload that died stops counting as running at "
+        f"once on this machine, and {timeout_s:g} s after its last heartbeat if it ran on "
+        "another (slice.heartbeat_timeout_s)"
     )

@@ -190,11 +190,12 @@ class RunDir:
 
     @staticmethod
     def describe_beat(live: dict[str, Any]) -> str:
-        """A live heartbeat (`live_workload`) in words, for a message."""
-        return (
-            f"pid {live.get('pid')}: heartbeat {live.get('phase')!r} at step "
-            f"{live.get('step')}, {live['age_s']:.0f} s ago"
-        )
+        """A live heartbeat (`live_workload`) in words, for a message: the machine named
+        when it is another, the step when it has one."""
+        host = live.get("host")
+        where = f"pid {live.get('pid')}" + (f" on {host}" if host and host != HOST else "")
+        step = "" if live.get("step") is None else f" at step {live['step']}"
+        return f"{where}: heartbeat {live.get('phase')!r}{step}, {live['age_s']:.0f} s ago"
 
     def write_host_failure(self, host: int, error: str, **fields: Any) -> None:
         """Record why host `host` (not 0) stopped, beside the heartbeat, never in it: host 0
