@@ -155,8 +155,10 @@ def watch_slice(
         heard = heard or ours
         if ours:
             _log_quarantined(heartbeat, quarantined, log)
-        step = heartbeat.get("step")
-        if ours and step is not None:
+        # This attempt's step only: a rerun logged the crashed attempt's last heartbeat
+        # ("step 75 loss 2.76 (training)") before its own workload restored step 50.
+        step = heartbeat.get("step") if ours else None
+        if step is not None:
             our_step = step
         if step != last_step and step is not None:
             log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
@@ -164,8 +166,7 @@ def watch_slice(
             if on_heartbeat is not None:
                 on_heartbeat(heartbeat)
         if status.state in (SliceState.PREEMPTED, SliceState.NOT_FOUND):
-            at = step if step is not None else our_step
-            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {at}")
+            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {our_step}")
         if status.state == SliceState.TERMINATED:
             break
         silent = clock() - max(heartbeat.get("time", started), started)

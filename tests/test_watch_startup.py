@@ -282,3 +282,31 @@ def test_a_local_slice_of_a_gs_root_logs_on_this_machine_and_its_last_line_is_qu
             ExitsWith(1), "tpupipe-r", run_dir, settings, print, None, clock, clock.sleep, 2,
             log_path=path,
         )  # fmt: skip
+
+
+def test_an_earlier_attempts_heartbeat_is_not_logged_as_this_ones_progress():
+    # A rerun logged the crashed attempt's last beat ("step 75 loss 2.76 (training)")
+    # before its own workload restored step 50.
+    logged = []
+    clock = Clock()
+    run_dir = Heartbeats(
+        lambda now: (
+            {"phase": "training", "attempt": 1, "time": 990.0, "step": 75, "loss": 2.76}
+            if now < 1020
+            else {"phase": "finished", "attempt": 2, "time": now, "step": 80}
+        )
+    )
+    run_dir.clock = clock
+
+    class EndsAt1030(Ready):
+        def status(self, name: str) -> SliceStatus:
+            if clock.now < 1030:
+                return super().status(name)
+            return SliceStatus(name, SliceState.TERMINATED, 0)
+
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    outcome = watch_slice(
+        EndsAt1030(), "s", run_dir, settings, logged.append, None, clock, clock.sleep, 2
+    )
+    assert outcome.final_step == 80
+    assert [m for m in logged if m.startswith("step ")] == ["step 80 loss None (finished)"]
