@@ -24,6 +24,7 @@ from tasks.run_owner import RunOwnerConflict, owner_problem
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
+from workloads.events import trained_by_hand
 
 __all__ = [
     "INTERRUPTED_WAIT_S",
@@ -149,10 +150,17 @@ def land_metrics(
         # A finished run trained steps: a ledger that counts none read a damaged events.jsonl
         # (emptied, cut short), and would land zero goodput, wall time and cost over the
         # run's real ones. The columns landed before stay; with none, they are unknown.
+        why = (
+            "its steps were trained by a workload started by hand, whose events the ledger "
+            "leaves out"
+            if trained_by_hand(plan.run_dir)
+            else "cut short or damaged"
+        )
         logger.warning(
-            "%s/events.jsonl records no step of this finished run (cut short or damaged): "
-            "its goodput and cost columns are %s",
+            "%s/events.jsonl records no step of an attempt of this finished run (%s): its "
+            "goodput and cost columns are %s",
             plan.run_dir,
+            why,
             "kept as landed before" if stored else "left NULL (unknown), not 0",
         )
         kept = {k: getattr(stored, k) if stored else None for k in LEDGER_COLUMNS}

@@ -19,16 +19,13 @@ checkpoints. A copy beside a directory that still exists is refused, saying so.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-
-from etils import epath
 
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
-from workloads.events import EVENTS
+from workloads.events import event_lines
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +110,8 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
 
 
 def recorded_invocations(run_dir: str) -> set[str]:
-    """The flow runs (invocations) the orchestrator's events in `run_dir` were written by;
-    lines that are not JSON objects are skipped."""
-    try:
-        text = epath.Path(run_dir, EVENTS).read_bytes().decode("utf-8", "replace")
-    except OSError:
-        return set()
-    found = set()
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and isinstance(event.get("invocation"), str):
-            found.add(event["invocation"])
-    return found
+    """The flow runs (invocations) the orchestrator's events in `run_dir` were written by."""
+    return {e["invocation"] for e in event_lines(run_dir) if isinstance(e.get("invocation"), str)}
 
 
 def _exists(run_dir: str) -> bool:

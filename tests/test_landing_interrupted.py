@@ -225,7 +225,9 @@ def test_a_rerun_over_a_metrics_file_cut_short_keeps_the_landed_step_rows(
         path.write_bytes(whole)
 
 
-def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished, tmp_path):
+def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(
+    finished, tmp_path, caplog
+):
     # The ledger read from an emptied events.jsonl counted no attempt: the completed
     # landing set attempts 0, goodput NULL, wall_s 0 and chip_hours 0 over the real ones.
     from tasks.landing_rows import LEDGER_COLUMNS, ledger_fields, run_ledger
@@ -250,6 +252,17 @@ def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished
         fresh = rerun(finished, tmp_path / "fresh.duckdb")
         assert fresh.status == "completed" and fresh.final_step == 12
         assert all(getattr(fresh, column) is None for column in LEDGER_COLUMNS)
+        assert "(cut short or damaged)" in caplog.text
+        # Trained by a workload started by hand: its events say so, the file is whole.
+        caplog.clear()
+        hand = [
+            {"time": 1.0, "event": "first_step", "attempt": None, "source": "workload", "step": 1},
+            {"time": 2.0, "event": "finished", "attempt": None, "source": "workload", "step": 12},
+        ]
+        path.write_text("".join(json.dumps(e) + "\n" for e in hand))
+        assert rerun(finished, metrics).status == "completed"
+        assert "trained by a workload started by hand" in caplog.text
+        assert "cut short or damaged" not in caplog.text
     finally:
         path.write_bytes(whole)
 

@@ -111,6 +111,35 @@ class EventLog:
             )
 
 
+def event_lines(run_dir: str) -> list[dict]:
+    """Every JSON object line of the run's `events.jsonl`, as written; [] without one.
+    Unlike the ledger's reader (`tasks.goodput.read_events`), no field is checked: the
+    callers look for one field each."""
+    try:
+        text = (epath.Path(run_dir) / EVENTS).read_bytes().decode("utf-8", "replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            found.append(event)
+    return found
+
+
+def trained_by_hand(run_dir: str) -> bool:
+    """Whether a workload started by hand (`EventLog.from_env`) reached a step here."""
+    return any(
+        e.get("attempt", 0) is None
+        and e.get("source") == "workload"
+        and e.get("event") in ("first_step", "checkpoint", "finished")
+        for e in event_lines(run_dir)
+    )
+
+
 def beside_live_workload(
     run_dir: str,
     timeout_s: float,
