@@ -102,3 +102,20 @@ def invocation_spans(events: list[dict]) -> list[tuple[float, float]]:
         if times:  # none: only a leftover's deletion, of an attempt whose events are gone
             spans.append((min(times), max(times)))
     return spans
+
+
+def stalled_in_a_row(events: list[dict], invocation: str | None) -> int:
+    """How many of `invocation`'s attempts, counting back from its last that ended, were
+    lost without a preemption notice before committing a checkpoint past the one they
+    resumed from (`"stalled": true` on their `attempt_ended`)."""
+    ended = [
+        e
+        for e in sorted(events, key=lambda e: e["time"])
+        if e["event"] == "attempt_ended" and e.get("invocation") == invocation
+    ]
+    count = 0
+    for event in reversed(ended):
+        if event.get("stalled") is not True:
+            break
+        count += 1
+    return count

@@ -24,7 +24,7 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from infra.slices import ProvisioningError, SliceSpec, build_provider
-from tasks.attempts import next_attempt
+from tasks.attempts import next_attempt, stalled_in_a_row
 from tasks.goodput import read_events
 from tasks.own_slice import clear_slice_name, delete_own_slice
 from tasks.plan import RunPlan, run_events, slice_labels, slice_log_path
@@ -38,6 +38,7 @@ from tasks.watch import (
     WorkloadPreempted,
     watch_slice,
 )
+from workloads import checkpoint
 from workloads.config import PipelineConfig
 from workloads.events import EVENTS, EventLog, grant_lease, new_lease
 from workloads.rundir import RunDir
@@ -158,6 +159,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         retry_condition_fn=_retry_on(ProvisioningError),
     )
     provider = _provider(config, plan)
+    resumes_from = _newest_step(plan)
     try:
         name = provision(config, plan, config_path, attempt, lease)
         settings = WatchSettings(
@@ -195,8 +197,20 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             ) from exc
         raise
     except WorkloadPreempted as exc:
-        events.emit("attempt_ended", outcome="preempted", reason=str(exc))
+        stalled = _stalled(exc, plan, resumes_from)
+        events.emit("attempt_ended", outcome="preempted", reason=str(exc), **stalled)
         logger.warning("attempt %d preempted: %s", attempt, exc)
+        ledger = read_events(f"{plan.run_dir}/{EVENTS}") if stalled else []
+        if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:
+            # Each retry re-provisions a slice (21 of them with the default budget) for a
+            # workload killed at the same step each time: out of memory on its host, say.
+            raise WorkloadFailed(
+                f"{exc}; {in_a_row} attempt(s) in a row were lost without a preemption "
+                f"notice before committing a checkpoint past step {resumes_from} "
+                f"(resilience.max_stalled_attempts = {res.max_stalled_attempts}): a workload "
+                "that dies at the same place each time is more likely out of memory or stuck "
+                f"than preempted; see {plan.run_dir}/logs/"
+            ) from exc
         if budget_spent(res.max_preemptions):
             raise WorkloadPreempted(
                 f"{exc}; resilience.max_preemptions = {res.max_preemptions} preemption(s) "
@@ -208,6 +222,24 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         raise
     finally:
         _delete_after(provider, plan, events, logger)
+
+
+def _newest_step(plan: RunPlan) -> int | None:
+    """The run's newest committed checkpoint step (0: none), or None if it cannot be read."""
+    try:
+        return checkpoint.latest_step(plan.run_dir) or 0
+    except Exception as exc:  # progress unknown: no attempt is called stalled for it
+        log.warning("could not list the checkpoints of %s: %s", plan.run_dir, exc)
+        return None
+
+
+def _stalled(exc: WorkloadPreempted, plan: RunPlan, resumes_from: int | None) -> dict:
+    """`{"stalled": True}` for an attempt lost without a notice (`exc.announced`) that
+    committed no checkpoint past `resumes_from`, else {}: its `attempt_ended` fields."""
+    if exc.announced or resumes_from is None:
+        return {}
+    now = _newest_step(plan)
+    return {"stalled": True} if now is not None and now <= resumes_from else {}
 
 
 def _delete_after(provider, plan: RunPlan, events: EventLog, logger) -> None:

@@ -39,7 +39,18 @@ class WorkloadFailed(RuntimeError):
 
 
 class WorkloadPreempted(RuntimeError):
-    """The attempt was lost to the platform; the run resumes in a new attempt."""
+    """The attempt was lost to the platform; the run resumes in a new attempt.
+
+    Attributes:
+        announced: the platform said so (the slice PREEMPTED or gone), or the workload
+            saved at a notice and exited; False for a workload killed without notice or
+            gone silent, which may as well be out of memory or stuck (see
+            `resilience.max_stalled_attempts`).
+    """
+
+    def __init__(self, message: str, announced: bool = False) -> None:
+        super().__init__(message)
+        self.announced = announced
 
 
 class WorkloadNeverStarted(WorkloadPreempted):
@@ -166,7 +177,9 @@ def watch_slice(
             if on_heartbeat is not None:
                 on_heartbeat(heartbeat)
         if status.state in (SliceState.PREEMPTED, SliceState.NOT_FOUND):
-            raise WorkloadPreempted(f"slice {name} is {status.state.value} at step {our_step}")
+            raise WorkloadPreempted(
+                f"slice {name} is {status.state.value} at step {our_step}", announced=True
+            )
         if status.state == SliceState.TERMINATED:
             break
         silent = clock() - max(heartbeat.get("time", started), started)
@@ -273,7 +286,9 @@ def _ended(
     if code == 0:
         return TrainOutcome(name, 0, final.get("step"), seconds)
     if code == PREEMPTED_EXIT:
-        raise WorkloadPreempted(f"workload on {name} saved step {final.get('step')} and exited")
+        raise WorkloadPreempted(
+            f"workload on {name} saved step {final.get('step')} and exited", announced=True
+        )
     if code == SUPERSEDED_EXIT:
         raise WorkloadFailed(
             f"workload on slice {name} stopped without writing: a newer attempt took the run "

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from tasks.attempts import by_attempt, next_attempt, split_invocations
+from tasks.attempts import by_attempt, next_attempt, split_invocations, stalled_in_a_row
 from tasks.goodput import attempt_timelines, compute_goodput
 from tests.helpers import attempt_events
 
@@ -116,3 +116,21 @@ def test_a_workload_started_by_hand_is_no_attempt_of_the_ledger(tmp_path):
     assert read_events(tmp_path / EVENTS) == ledger
     assert compute_goodput(read_events(tmp_path / EVENTS)) == compute_goodput(ledger)
     assert EventLog.from_env(str(tmp_path), env={"TPUPIPE_ATTEMPT": "2"}).attempt == 2
+
+
+def test_stalled_attempts_are_counted_back_from_this_invocations_last():
+    def ended(t: float, invocation: str, **fields) -> dict:
+        return {"time": t, "event": "attempt_ended", "invocation": invocation, **fields}
+
+    events = [
+        ended(1, "a", outcome="preempted", stalled=True),  # an earlier invocation's
+        ended(2, "b", outcome="preempted", stalled=True),
+        ended(3, "b", outcome="preempted"),  # it saved a checkpoint: the count starts again
+        ended(5, "b", outcome="preempted", stalled=True),
+        {"time": 5.5, "event": "provision_requested", "invocation": "b"},
+        ended(4, "b", outcome="preempted", stalled=True),  # time order, not file order
+    ]
+    assert stalled_in_a_row(events, "b") == 2
+    assert stalled_in_a_row(events, "a") == 1
+    assert stalled_in_a_row(events, "c") == 0
+    assert stalled_in_a_row([*events, ended(6, "b", outcome="completed")], "b") == 0

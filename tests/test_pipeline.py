@@ -282,6 +282,34 @@ def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_ha
     assert f"steps that count: 40 x {per_step:,} tokens" in out
 
 
+def test_attempts_killed_before_saving_again_and_again_fail_the_run(tmp_path, prefect_harness):
+    """A workload killed without notice at the same step each time (out of memory on its
+    host) was re-provisioned on the whole preemption budget, 21 slices by default."""
+    from flows.pipeline import tpu_training_pipeline
+    from infra.slices import build_provider
+    from tasks.watch import WorkloadFailed
+
+    config = tiny_config(
+        tmp_path,
+        "run_name=oom",
+        "train.checkpoint_every=100",  # nothing is committed before the kill
+        "slice.chaos.signal=KILL",
+        "slice.chaos.at_step=2",
+        "slice.chaos.times=5",  # the default resilience.max_stalled_attempts is 3
+    )
+    stalled = r"3 attempt\(s\) in a row were lost without a preemption notice before "
+    with pytest.raises(WorkloadFailed, match=stalled + r"committing a checkpoint past step 0"):
+        tpu_training_pipeline(config=config)
+    events = read_events(Path(tmp_path) / "runs" / "oom" / "events.jsonl")
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert [(e["attempt"], e["outcome"], e.get("stalled")) for e in ended] == [
+        (1, "preempted", True),
+        (2, "preempted", True),
+        (3, "preempted", True),
+    ]
+    assert not build_provider("local", str(tmp_path)).list()  # torn down
+
+
 def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkeypatch):
     """The watcher gives up while the workload is still running: teardown must kill it."""
     from flows.pipeline import tpu_training_pipeline

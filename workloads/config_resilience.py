@@ -61,6 +61,14 @@ class ResilienceConfig(_Strict):
         "run fails; also the attempts whose workload never started on a READY slice. A "
         "workload bug is never retried.",
     )
+    max_stalled_attempts: Int = Field(
+        3,
+        ge=1,
+        description="Attempts in a row lost without a preemption notice (killed, or silent) "
+        "before committing a checkpoint past the one they resumed from; at this many the run "
+        "fails instead of provisioning again: a workload that dies at the same place each "
+        "time is more likely out of memory or stuck than preempted.",
+    )
     backoff_s: Float = Field(
         10.0,
         gt=0,
