@@ -108,3 +108,29 @@ def test_sigkill_mid_run_then_rerun_equals_a_clean_run(corpus, tmp_path, stage, 
     hidden = sorted(p.name for p in dataset_dir.iterdir() if p.name.startswith("."))
     assert hidden == [".lock", SHARD_STATS]  # no leftover, no .work
     data.verify_shards(dataset_dir)
+
+
+def test_a_build_says_which_interrupted_builds_beside_it_no_run_holds(tmp_path, caplog):
+    # A run killed mid-build keeps its work for a run of the same sources; once a source
+    # changed, none ever resumed it, and its `.work` stayed, unsaid.
+    import fcntl
+
+    from tests.test_data import cfg_for, make_corpus
+
+    out = tmp_path / "out"
+    for name, size in (("killed", 2_000_000), ("running", 10), ("complete", 10)):
+        (out / name / ".work").mkdir(parents=True)
+        (out / name / ".work" / "unit-0").write_bytes(b"x" * size)
+        (out / name / ".lock").touch()
+    (out / "complete" / "manifest.json").write_text("{}")
+    held = os.open(out / "running" / ".lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a build under way
+    try:
+        with caplog.at_level("WARNING", logger="workloads.data"):
+            result = data.shard_dataset(cfg_for(make_corpus(tmp_path / "c")), out)
+    finally:
+        os.close(held)
+    assert not result.cached
+    said = "1 interrupted build(s) beside this dataset keep 2.0 MB of finished work"
+    assert f"{said} ({out / 'killed'})" in caplog.text
+    assert (out / "killed" / ".work" / "unit-0").is_file()  # said, never deleted

@@ -53,7 +53,7 @@ from workloads.manifest import (
     verify_shards,
     write_manifest,
 )
-from workloads.outdir import WORK_DIR, claimed
+from workloads.outdir import WORK_DIR, claimed, interrupted_builds
 from workloads.packing import (
     UnitJob,
     finished_unit,
@@ -160,6 +160,14 @@ def shard_dataset(
             write_manifest(directory, manifest)
         record_shard_stats(directory, manifest)
         shutil.rmtree(work, ignore_errors=True)
+    if left := interrupted_builds(Path(out_root), directory):
+        log.warning(
+            "%d interrupted build(s) beside this dataset keep %.1f MB of finished work (%s): "
+            "a run of their sources and options resumes them; if those changed, delete them",
+            len(left),
+            sum(left.values()) / 1e6,
+            ", ".join(map(str, sorted(left))),
+        )
     return ShardResult(str(directory), manifest, cached=False)
 
 
