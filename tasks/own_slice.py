@@ -13,13 +13,14 @@ deletion is recorded for that attempt (`leftover_deleted`, see `tasks.ledger`).
 from __future__ import annotations
 
 import logging
+import os
 
 from etils import epath
 
 from infra.slices.base import LabelTest, SliceStatus
 from tasks.attempts import LEFTOVER_DELETED
 from tasks.goodput import MAX_ATTEMPT
-from tasks.plan import ROOT_LABEL, RunPlan, plan_run, root_tag, run_events
+from tasks.plan import ROOT_LABEL, RunPlan, is_gcs, plan_run, root_tag, run_events
 from workloads.config import PipelineConfig, valid_run_name
 from workloads.events import EVENTS
 
@@ -34,7 +35,16 @@ class SliceNameTaken(RuntimeError):
 
 def own_copy(plan: RunPlan) -> LabelTest:
     """The test of a copy of the run's slice name being this run's: its `run-root` label
-    is this storage root's, or it has none (labelled before the label existed)."""
+    is this storage root's, or it has none (labelled before the label existed); any copy,
+    where the provider's registry lives in the storage root itself (a local directory
+    root's `slices/`): none but this root's runs write there, and a copy labelled with
+    another root's tag came along when the root was moved. It was refused as another
+    root's ("wait for it to end, or choose another run_name"), so a moved root's run whose
+    orchestrator had been killed could never resume, and left its slice standing."""
+    if not is_gcs(plan.storage_root) and os.path.abspath(plan.slices_root) == os.path.abspath(
+        plan.storage_root
+    ):
+        return lambda labels: True
     ours = root_tag(plan)
     return lambda labels: labels.get(ROOT_LABEL) in (None, ours)
 

@@ -14,7 +14,9 @@ along, and with them the invocations their events record. The row of a run whose
 directory holds the invocation that landed it, while the directory it names is gone, is
 this run's, landed before the move: a moved root's runs were all refused, naming a
 directory that no longer existed, and the advice (another run name) threw away their
-checkpoints. A copy beside a directory that still exists is refused, saying so.
+checkpoints. So is a copy's, landing in its own copy of the metrics file (inside its
+root, the default). A copy beside a directory that still exists, landing where the
+original lands, is refused, saying so.
 """
 
 from __future__ import annotations
@@ -78,13 +80,15 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
     if row is None or row.run_dir is None or same_directory(row.run_dir, plan.run_dir):
         return None
     copied = row.flow_run_id is not None and row.flow_run_id in recorded_invocations(plan.run_dir)
-    if copied and not _exists(row.run_dir):
+    if copied and (not _exists(row.run_dir) or _own_file(config, plan)):
         log.info(
-            "run %s landed from %s, which is gone; this run directory, %s, holds that run's "
-            "attempts (a moved storage root): its rows now name this one",
+            "run %s landed from %s; this run directory, %s, holds that run's attempts (its "
+            "storage root was %s): its rows in %s now name this one",
             config.run_name,
             row.run_dir,
             plan.run_dir,
+            "copied, with its metrics file" if _exists(row.run_dir) else "moved",
+            plan.metrics_path,
         )
         return None
     metrics = config.metrics
@@ -112,6 +116,16 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
 def recorded_invocations(run_dir: str) -> set[str]:
     """The flow runs (invocations) the orchestrator's events in `run_dir` were written by."""
     return {e["invocation"] for e in event_lines(run_dir) if isinstance(e.get("invocation"), str)}
+
+
+def _own_file(config: PipelineConfig, plan: RunPlan) -> bool:
+    """Whether the run lands in a DuckDB file inside its own storage root (the default):
+    a copy of the root copied the file too, so the copy's rows replace none of the
+    original's."""
+    if config.metrics.sink != "duckdb" or "://" in plan.storage_root:
+        return False
+    root = os.path.join(os.path.realpath(plan.storage_root), "")
+    return os.path.realpath(plan.metrics_path).startswith(root)
 
 
 def _exists(run_dir: str) -> bool:

@@ -204,9 +204,10 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:
             # Each retry re-provisions a slice (21 of them with the default budget) for a
             # workload killed at the same step each time: out of memory on its host, say.
+            past = f"past step {resumes_from}" if resumes_from else "(the run has none yet)"
             raise WorkloadFailed(
                 f"{exc}; {in_a_row} attempt(s) in a row were lost without a preemption "
-                f"notice before committing a checkpoint past step {resumes_from} "
+                f"notice before committing a checkpoint {past} "
                 f"(resilience.max_stalled_attempts = {res.max_stalled_attempts}): a workload "
                 "that dies at the same place each time is more likely out of memory or stuck "
                 f"than preempted; see {plan.run_dir}/logs/"

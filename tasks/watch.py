@@ -297,10 +297,13 @@ def _ended(
         )
     on = "" if host is None else f", host {host}"
     if code is None or code in (-signal.SIGKILL, -signal.SIGTERM):
-        # Killed from outside, or the exit code is unknown: the platform took the slice.
+        # Killed from outside, or the exit code is unknown: the platform took the slice. A
+        # SIGTERM is its notice, even one that came before the workload could save.
         how = f"signal {-code}{on}" if code else "no exit code"
+        step = final.get("step")
+        at = "before its first step" if step is None else f"at step {step}"
         raise WorkloadPreempted(
-            f"workload on {name} was killed ({how}) at step {final.get('step')}"
+            f"workload on {name} was killed ({how}) {at}", announced=code == -signal.SIGTERM
         )
     who = "" if host is None else f": host {host}"
     raise WorkloadFailed(

@@ -225,9 +225,7 @@ def test_a_rerun_over_a_metrics_file_cut_short_keeps_the_landed_step_rows(
         path.write_bytes(whole)
 
 
-def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(
-    finished, tmp_path, caplog
-):
+def test_a_rerun_over_an_emptied_events_file_keeps_the_goodput_and_cost(finished, tmp_path, caplog):
     # The ledger read from an emptied events.jsonl counted no attempt: the completed
     # landing set attempts 0, goodput NULL, wall_s 0 and chip_hours 0 over the real ones.
     from tasks.landing_rows import LEDGER_COLUMNS, ledger_fields, run_ledger
@@ -293,9 +291,7 @@ def test_a_run_of_the_same_name_landed_meanwhile_from_another_root_is_not_replac
 STEP_COUNT = "SELECT count(*) FROM step_metrics WHERE run_id = ?"
 
 
-def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(
-    finished, tmp_path
-):
+def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(finished, tmp_path):
     # Moving a root took the run's landed row's directory away: every run of the moved
     # root was refused as "a run of this name from another run directory", naming the
     # gone one, and the advice (another run_name) threw away its checkpoints.
@@ -318,6 +314,11 @@ def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(
     copy = tiny_config(tmp_path / "c", f"run_name={NAME}", f"metrics.path={metrics}")
     with pytest.raises(ConfigError, match=r"runs/landed, is a copy of .*/b/runs/landed"):
         check_run_owner(copy, plan_run(copy))
+    # Landing in its own copy of the metrics file (inside its root: the default), the
+    # copy replaces none of the original's rows.
+    own = tiny_config(tmp_path / "c", f"run_name={NAME}")
+    assert plan_run(own).metrics_path.startswith(str(tmp_path / "c"))
+    check_run_owner(own, plan_run(own))
     other = tiny_config(tmp_path / "d", f"run_name={NAME}", f"metrics.path={metrics}")
     with pytest.raises(ConfigError, match="a run of this name from another run directory"):
         check_run_owner(other, plan_run(other))  # no history of it: another run

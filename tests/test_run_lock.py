@@ -155,6 +155,42 @@ def test_a_run_of_the_same_name_under_another_root_never_deletes_the_others_slic
         provider.delete(theirs.slice_name, grace_s=0)
 
 
+def test_a_moved_roots_leftover_slice_is_its_own_to_delete(tmp_path, monkeypatch):
+    """A local root's slice registry moves with it, its slices labelled with the old path's
+    tag: a run whose orchestrator had been killed was refused on its own leftover ("wait
+    for it to end, or choose another run_name") and left it standing at teardown."""
+    import logging
+
+    from infra.slices import SliceSpec, SliceState
+    from tasks import training
+    from tasks.plan import slice_labels
+    from tests.helpers import processes_mentioning
+
+    monkeypatch.setattr(training, "get_run_logger", lambda: logging.getLogger("test"))
+    before = plan_run(tiny_config(tmp_path / "a", "run_name=moved"))
+    marker = f"left-before-the-move-{os.getpid()}"
+    build_provider("local", before.slices_root).create(
+        SliceSpec(
+            name=before.slice_name,
+            labels=slice_labels(before, attempt=1),
+            devices=1,
+            command=[sys.executable, "-c", "import time; time.sleep(60)", marker],
+            log_path=str(tmp_path / "left.log"),
+        )
+    )
+    (tmp_path / "a").rename(tmp_path / "b")
+    config = tiny_config(tmp_path / "b", "run_name=moved")
+    plan = plan_run(config)
+    provider = build_provider("local", plan.slices_root)
+    try:
+        assert provider.status(plan.slice_name).state is SliceState.READY
+        training.clear_slice_name(provider, plan, 2)  # no SliceNameTaken: ours
+        assert provider.status(plan.slice_name).state is SliceState.NOT_FOUND
+        assert not processes_mentioning(marker)
+    finally:
+        provider.delete(plan.slice_name, grace_s=0)
+
+
 def test_a_run_whose_workload_runs_by_hand_is_refused_until_it_ends(tmp_path):
     from workloads.rundir import RunDir
 

@@ -310,3 +310,16 @@ def test_an_earlier_attempts_heartbeat_is_not_logged_as_this_ones_progress():
     )
     assert outcome.final_step == 80
     assert [m for m in logged if m.startswith("step ")] == ["step 80 loss None (finished)"]
+
+
+def test_a_sigterm_is_a_notice_even_before_the_workload_could_save():
+    # Killed by a SIGTERM that came before its handler was installed, attempts counted as
+    # stalled ("lost without a preemption notice") and failed the run after 3.
+    from tasks.watch import _ended
+
+    with pytest.raises(WorkloadPreempted) as term:
+        _ended("s", -15, {}, 1.0)
+    assert term.value.announced and str(term.value).endswith("before its first step")
+    with pytest.raises(WorkloadPreempted) as kill:
+        _ended("s", -9, {"step": 7}, 1.0, host=1)
+    assert not kill.value.announced and "(signal 9, host 1) at step 7" in str(kill.value)

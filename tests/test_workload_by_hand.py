@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_a_config_json_of_a_copied_or_moved_root_is_refused_writing_nowhere(run,
     status and events; from a moved one it died on a directory that no longer existed."""
     import shutil
 
-    plan, path = run
+    plan, _ = run
     RunDir(plan.run_dir).write_status("finished", attempt=1, step=30)
     copy = tmp_path / "copy"
     shutil.copytree(plan.run_dir, copy)
@@ -107,10 +108,10 @@ def test_a_config_json_of_a_copied_or_moved_root_is_refused_writing_nowhere(run,
 def test_a_config_json_kept_outside_any_run_directory_is_used_as_it_names(run, tmp_path):
     from workloads.config_file import load_workload_config, misplaced_config
 
-    plan, path = run
+    _, path = run
     kept = tmp_path / "elsewhere" / "config.json"
     kept.parent.mkdir()
-    kept.write_bytes(open(path, "rb").read())
+    kept.write_bytes(Path(path).read_bytes())
     assert misplaced_config(str(kept), load_workload_config(str(kept))) is None
     assert misplaced_config(path, load_workload_config(path)) is None
 

@@ -78,10 +78,12 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
         per = sequences_per_record(manifest)
         if not _count(per) or per < 1:
             raise ValueError(f"record sequences {per!r} is not a positive integer")
-        if DIGEST in manifest and manifest[DIGEST] != manifest_digest(manifest):
-            raise ValueError(f"it was changed after it was written (its {DIGEST} does not match)")
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"malformed {MANIFEST} in {dataset_dir}: {exc!r}") from exc
+    if DIGEST in manifest and manifest[DIGEST] != manifest_digest(manifest):
+        raise DatasetError(
+            f"{path} was changed after it was written: its {DIGEST} does not match its content"
+        )
     return manifest
 
 

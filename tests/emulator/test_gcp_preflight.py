@@ -183,6 +183,7 @@ def test_a_damaged_shard_whose_local_copy_is_another_file_is_left_to_the_size_ch
     gcs_client, bucket, tmp_path, caplog
 ):
     from tasks.remote import publish_dataset
+    from workloads.manifest import sealed
 
     config, local, remote = published_tiny(
         gcs_client, bucket, tmp_path, "cache", f"storage.root=gs://{bucket}/root"
@@ -192,7 +193,8 @@ def test_a_damaged_shard_whose_local_copy_is_another_file_is_left_to_the_size_ch
     # The local manifest vouches for other bytes of `other` (another build of that shard):
     # its local file must not replace the remote one, whatever is there.
     manifest["splits"]["train"]["shards"][1]["sha256"] = hashlib.sha256(b"another").hexdigest()
-    (epath.Path(local) / data.MANIFEST).write_text(json.dumps(manifest))
+    # Sealed as a build writes it: an edited manifest is not read at all.
+    (epath.Path(local) / data.MANIFEST).write_text(json.dumps(sealed(manifest)))
     fixable = overwrite_in_place(gcs_client, bucket, local, same)
     left = overwrite_in_place(gcs_client, bucket, local, other)
     damaged = left.download_as_bytes()
