@@ -189,7 +189,7 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
 
 
 def sealed(manifest: dict) -> dict:
-    """`manifest` with its digest (`DIGEST`), as `write_manifest` must write it."""
+    """`manifest` with its digest (`DIGEST`): what a build hands `write_manifest`."""
     return {**manifest, DIGEST: manifest_digest(manifest)}
 
 
