@@ -197,14 +197,15 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             ) from exc
         raise
     except WorkloadPreempted as exc:
-        stalled = _stalled(exc, plan, resumes_from)
+        stalled = _stalled(exc, plan, attempt, resumes_from)
         events.emit("attempt_ended", outcome="preempted", reason=str(exc), **stalled)
         logger.warning("attempt %d preempted: %s", attempt, exc)
         ledger = read_events(f"{plan.run_dir}/{EVENTS}") if stalled else []
         if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:
             # Each retry re-provisions a slice (21 of them with the default budget) for a
             # workload killed at the same step each time: out of memory on its host, say.
-            past = f"past step {resumes_from}" if resumes_from else "(the run has none yet)"
+            base = stalled["stalled_at"]
+            past = f"past step {base}" if base else "(the run has none yet)"
             raise WorkloadFailed(
                 f"{exc}; {in_a_row} attempt(s) in a row were lost without a preemption "
                 f"notice before committing a checkpoint {past} "
@@ -234,13 +235,27 @@ def _newest_step(plan: RunPlan) -> int | None:
         return None
 
 
-def _stalled(exc: WorkloadPreempted, plan: RunPlan, resumes_from: int | None) -> dict:
-    """`{"stalled": True}` for an attempt lost without a notice (`exc.announced`) that
-    committed no checkpoint past `resumes_from`, else {}: its `attempt_ended` fields."""
-    if exc.announced or resumes_from is None:
+def _stalled(
+    exc: WorkloadPreempted, plan: RunPlan, attempt: int, newest_before: int | None
+) -> dict:
+    """`{"stalled": True, "stalled_at": step}` for an attempt lost without a notice
+    (`exc.announced`) that committed no checkpoint past the one it resumed from (`step`),
+    else {}: its `attempt_ended` fields.
+
+    The step it resumed from is its `first_step` event's: the newest step before the
+    attempt may have been quarantined as it started, and a new save of that step number
+    was then progress, called a stall. An attempt lost before its first step saved nothing.
+    """
+    if exc.announced or newest_before is None:
         return {}
     now = _newest_step(plan)
-    return {"stalled": True} if now is not None and now <= resumes_from else {}
+    started = [
+        e["resumed_from"]
+        for e in read_events(f"{plan.run_dir}/{EVENTS}")
+        if e["event"] == "first_step" and e.get("attempt") == attempt and "resumed_from" in e
+    ]
+    base = started[-1] if started else newest_before
+    return {"stalled": True, "stalled_at": base} if now is not None and now <= base else {}
 
 
 def _delete_after(provider, plan: RunPlan, events: EventLog, logger) -> None:

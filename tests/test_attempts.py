@@ -9,6 +9,7 @@ finishes. 40 steps, 10 per attempt. Expected figures are worked out by hand.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,27 @@ def test_stalled_attempts_are_counted_back_from_this_invocations_last():
     assert stalled_in_a_row(events, "a") == 1
     assert stalled_in_a_row(events, "c") == 0
     assert stalled_in_a_row([*events, ended(6, "b", outcome="completed")], "b") == 0
+
+
+def test_an_attempt_that_saved_past_the_step_it_resumed_from_is_not_stalled(tmp_path, monkeypatch):
+    # Its newest step (10) was quarantined as it started, it resumed from 5 and saved a
+    # new 10 before it was killed: counted as stalled ("not past step 10"), it failed the run.
+    import json
+
+    from tasks import training
+    from tasks.plan import plan_run
+    from tasks.watch import WorkloadPreempted
+    from tests.helpers import tiny_config
+
+    plan = plan_run(tiny_config(tmp_path))
+    Path(plan.run_dir).mkdir(parents=True)
+    first = {"time": 1.0, "event": "first_step", "attempt": 2, "step": 6, "resumed_from": 5}
+    Path(plan.run_dir, "events.jsonl").write_text(json.dumps(first) + "\n")
+    killed = WorkloadPreempted("killed (signal 9)")
+    monkeypatch.setattr(training, "_newest_step", lambda plan: 10)
+    assert training._stalled(killed, plan, 2, 10) == {}
+    monkeypatch.setattr(training, "_newest_step", lambda plan: 5)
+    assert training._stalled(killed, plan, 2, 10) == {"stalled": True, "stalled_at": 5}
+    # Lost before its first step: measured against the newest step before it.
+    assert training._stalled(killed, plan, 3, 5) == {"stalled": True, "stalled_at": 5}
+    assert training._stalled(WorkloadPreempted("PREEMPTED", announced=True), plan, 3, 5) == {}
