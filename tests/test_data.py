@@ -340,6 +340,31 @@ def test_a_manifest_edited_by_hand_is_not_read_and_a_cache_hit_builds_it_again(
     assert data.shard_dataset(cfg, tmp_path / "out").cached
 
 
+def test_a_manifest_without_its_digest_is_checked_against_its_shards(tmp_path, caplog):
+    """With `manifest_sha256` deleted (or a manifest from before it), a count edited by
+    one sequence passed every check, and a run trained over other data and completed."""
+    from workloads import input
+
+    cfg = cfg_for(make_corpus(tmp_path))
+    result = data.shard_dataset(cfg, tmp_path / "out")
+    good = files_of(result.dataset_dir)
+    path = Path(result.dataset_dir, "manifest.json")
+    unsealed = {k: v for k, v in json.loads(path.read_text()).items() if k != "manifest_sha256"}
+    path.write_text(json.dumps(unsealed))  # as an older version wrote it: still a cache hit
+    assert data.shard_dataset(cfg, tmp_path / "out").cached
+    unsealed["splits"]["train"]["shards"][0]["records"] -= 1
+    unsealed["splits"]["train"]["records"] -= 1
+    path.write_text(json.dumps(unsealed))
+    shard = Path(result.dataset_dir, unsealed["splits"]["train"]["shards"][0]["name"])
+    with pytest.raises(DatasetError, match=rf"{shard}'s last record holds \d+ bytes, not the"):
+        input.train_iterator(result.dataset_dir, 4, 0)
+
+    with caplog.at_level("WARNING", logger="workloads.data"):
+        assert not data.shard_dataset(cfg, tmp_path / "out").cached
+    assert caplog.text.count(f"{shard}'s last record holds") == 1
+    assert files_of(result.dataset_dir) == good
+
+
 def test_a_deleted_shard_is_named_as_the_dataset_is_built_again(tmp_path, caplog):
     cfg = cfg_for(make_corpus(tmp_path))
     result = data.shard_dataset(cfg, tmp_path / "out")

@@ -42,6 +42,7 @@ from workloads.documents import ReadOptions, lone_cr_hint
 from workloads.fingerprint import byte_options, dataset_fingerprint, same_records
 from workloads.listing import resolve_sources
 from workloads.manifest import (
+    DIGEST,
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
@@ -63,6 +64,7 @@ from workloads.packing import (
     write_shard,
 )
 from workloads.shard_pool import worker_pool
+from workloads.shard_source import counts_problem
 from workloads.shard_stats import changed_shards, record_shard_stats
 from workloads.sources import DatasetError, SourceFile, SourceStore, select_by_size
 from workloads.splits import plan_splits, plan_units, split_entries
@@ -220,6 +222,10 @@ def _complete(directory: Path, say: bool = True) -> ShardResult | None:
                 ", ".join(missing),
                 directory,
             )
+        return None
+    if DIGEST not in manifest and (problem := counts_problem(directory, manifest)):
+        if say:  # no digest to show an edit: the counts checked against the shards
+            log.warning("%s; building %s again", problem, directory)
         return None
     changed = changed_shards(directory, manifest)
     if changed:  # replaced since the build (another build's shard): built again

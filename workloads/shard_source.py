@@ -16,6 +16,8 @@ import numpy as np
 
 from workloads.dataset_cache import local_dataset
 from workloads.manifest import (
+    DIGEST,
+    SPLITS,
     load_manifest,
     record_dtype,
     sequences_per_record,
@@ -40,6 +42,11 @@ def split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]
         # The reader would otherwise fail later with a less helpful C++ error.
         raise DatasetError(f"dataset shard {missing[0]} listed in the manifest is missing")
     records = _open_shards(paths)
+    if DIGEST not in manifest and (problem := counts_problem(dataset_dir, manifest)):
+        raise DatasetError(
+            f"dataset shards and their manifest disagree (an edited manifest, a shard from "
+            f"another build): {problem}; shard the dataset again (delete its directory)"
+        )
     per = sequences_per_record(manifest)
     counts = [shard["records"] for shard in manifest["splits"][split]["shards"]]
     expected = [-(-count // per) for count in counts]  # ArrayRecord records per shard
@@ -49,6 +56,42 @@ def split_source(dataset_dir: str | os.PathLike, split: str) -> tuple[Any, dict]
         return records, manifest
     size = manifest["record"]["length"] * record_dtype(manifest).itemsize
     return SequenceSource(records, counts, per, size, paths), manifest
+
+
+def counts_problem(dataset_dir: str | os.PathLike, manifest: dict) -> str | None:
+    """Where the shards do not hold exactly the sequences their manifest counts, naming
+    the first such shard; None if they all do.
+
+    A shard of `records` sequences, `per` to an ArrayRecord record, holds ceil(records /
+    per) records, its last one the rest. The read-time checks only see a record too short:
+    a manifest without a digest (`manifest.DIGEST`: written before it existed, or deleted)
+    that counted a sequence fewer was trained on over other data. One read of each shard's
+    last record, for such manifests only.
+    """
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    per = sequences_per_record(manifest)
+    size = manifest["record"]["length"] * record_dtype(manifest).itemsize
+    for split in SPLITS:
+        shards = manifest["splits"][split]["shards"]
+        for path, shard in zip(shard_paths(dataset_dir, manifest, split), shards, strict=True):
+            want, reader = -(-shard["records"] // per), ArrayRecordReader(path)
+            try:
+                got = reader.num_records()
+                last = len(reader.read([got - 1])[0]) if got else 0
+            except RuntimeError as exc:
+                return f"{path} cannot be read ({str(exc).strip()[:200]})"
+            finally:
+                reader.close()
+            if got != want:
+                return f"{path} holds {got} records, its manifest counts {want}"
+            rest = shard["records"] - (got - 1) * per
+            if got and last != rest * size:
+                return (
+                    f"{path}'s last record holds {last} bytes, not the {rest} sequence(s) of "
+                    f"{size} bytes its manifest counts"
+                )
+    return None
 
 
 def _open_shards(paths: list[str]) -> Any:
