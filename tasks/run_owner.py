@@ -28,6 +28,7 @@ from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.events import event_lines
+from workloads.rundir import same_directory
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,3 @@ def _exists(run_dir: str) -> bool:
     """Whether a run directory is there; a gs:// one is taken as there (never looked up:
     the check reads no bucket), so a root copied between buckets stays refused."""
     return "://" in run_dir or os.path.exists(run_dir)
-
-
-def same_directory(landed: str, ours: str) -> bool:
-    """Whether two run directories are one: the same path, or local paths to one directory
-    (a storage root reached through a symlink, `~/proj` against `/home/u/proj`). The run
-    of a symlinked root was refused as another directory's, its own row in the way."""
-    if landed == ours:
-        return True
-    if "://" in landed or "://" in ours:
-        return False
-    try:
-        return os.path.samefile(landed, ours)
-    except OSError:  # one is gone (deleted, or not made yet): by where the links lead
-        return os.path.realpath(landed) == os.path.realpath(ours)

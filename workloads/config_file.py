@@ -26,6 +26,7 @@ from workloads.config_yaml import (
     line_index,
     strings_as_written,
 )
+from workloads.rundir import same_directory
 
 
 class ConfigError(ValueError):
@@ -236,7 +237,7 @@ def misplaced_config(path: str, wcfg: WorkloadConfig) -> str | None:
     from etils import epath
 
     here = epath.Path(path).parent
-    if _same_place(str(here), wcfg.run_dir):
+    if same_directory(str(here), wcfg.run_dir):
         return None
     if not any((here / mark).exists() for mark in _RUN_DIR_MARKS):
         return None  # a config.json kept elsewhere (edited, say): it names where to work
@@ -246,12 +247,3 @@ def misplaced_config(path: str, wcfg: WorkloadConfig) -> str | None:
         "directory. `tpupipe run` of this run (its config with this storage.root) rewrites "
         "it for this place"
     )
-
-
-def _same_place(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one is gone
-        return os.path.realpath(a) == os.path.realpath(b)

@@ -256,6 +256,21 @@ class RunDir:
         return sorted({m["step"]: m for m in self.read_metrics()}.values(), key=_step)
 
 
+def same_directory(a: str, b: str) -> bool:
+    """Whether two run directories are one: the same path (a trailing slash aside), or
+    local paths to one directory (a storage root reached through a symlink, `~/proj`
+    against `/home/u/proj`). The run of a symlinked root was refused as another
+    directory's, its own row in the way."""
+    if a.rstrip("/") == b.rstrip("/"):
+        return True
+    if "://" in a or "://" in b:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is gone (deleted, or not made yet): by where the links lead
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _alive(pid: Any) -> bool:
     """Whether process `pid` of this machine exists."""
     if not _is_int(pid) or pid <= 0:
