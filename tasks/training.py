@@ -160,6 +160,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
     )
     provider = _provider(config, plan)
     resumes_from = _newest_step(plan)
+    deleted = False
     try:
         name = provision(config, plan, config_path, attempt, lease)
         settings = WatchSettings(
@@ -197,6 +198,11 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             ) from exc
         raise
     except WorkloadPreempted as exc:
+        # The slice goes first: its delete is a notice (SIGTERM) to a workload that was
+        # only late (a paused VM, a stuck write), and one that saves then has progressed.
+        # Judged before it, such an attempt was called stalled beside its own new step.
+        _delete_after(provider, plan, events, logger)
+        deleted = True
         stalled = _stalled(exc, plan, attempt, resumes_from)
         events.emit("attempt_ended", outcome="preempted", reason=str(exc), **stalled)
         logger.warning("attempt %d preempted: %s", attempt, exc)
@@ -223,7 +229,8 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        _delete_after(provider, plan, events, logger)
+        if not deleted:
+            _delete_after(provider, plan, events, logger)
 
 
 def _newest_step(plan: RunPlan) -> int | None:

@@ -159,3 +159,57 @@ def test_an_attempt_that_saved_past_the_step_it_resumed_from_is_not_stalled(tmp_
     # Lost before its first step: measured against the newest step before it.
     assert training._stalled(killed, plan, 3, 5) == {"stalled": True, "stalled_at": 5}
     assert training._stalled(WorkloadPreempted("PREEMPTED", announced=True), plan, 3, 5) == {}
+
+
+def test_an_attempt_that_saves_when_its_slice_is_deleted_is_not_stalled(
+    tmp_path, monkeypatch, prefect_harness
+):
+    # A workload silent past the heartbeat timeout (a paused VM) but alive saves at the
+    # SIGTERM of its slice's delete. Judged before that delete, each such attempt was
+    # called stalled beside its own new checkpoint, and three in a row failed a run that
+    # advanced every time ("... before committing a checkpoint past step 15", step 23 saved).
+    from prefect import flow
+
+    from tasks import training
+    from tasks.goodput import read_events
+    from tasks.plan import plan_run
+    from tasks.watch import WorkloadPreempted
+    from tests.helpers import tiny_config
+
+    @flow
+    def attempt():
+        training.train_attempt(tiny_config(tmp_path), plan, "config.json")
+
+    plan = plan_run(tiny_config(tmp_path))
+    Path(plan.run_dir).mkdir(parents=True)
+    newest = {"step": 10}
+
+    class Provision:
+        def with_options(self, **kwargs):
+            return lambda *args: plan.slice_name
+
+    def silent(*args, **kwargs):
+        raise WorkloadPreempted(f"no heartbeat from slice {plan.slice_name} for 16s")
+
+    def delete_and_save(provider, plan, logger, running=None):
+        newest["step"] = 15  # the SIGTERM's save
+        return True
+
+    monkeypatch.setattr(training, "provision_slice", Provision())
+    monkeypatch.setattr(training, "watch_slice", silent)
+    monkeypatch.setattr(training, "_newest_step", lambda plan: newest["step"])
+    monkeypatch.setattr(training, "delete_own_slice", delete_and_save)
+    with pytest.raises(WorkloadPreempted, match="no heartbeat"):
+        attempt()
+    events = read_events(Path(plan.run_dir) / "events.jsonl")
+    assert [e["event"] for e in events] == ["deleted", "attempt_ended"]
+    assert "stalled" not in events[-1]
+
+    # Silent, and still nothing past its step after the delete: stalled, deleted once.
+    newest["step"] = 15
+    monkeypatch.setattr(training, "delete_own_slice", lambda *args, **kwargs: True)
+    with pytest.raises(WorkloadPreempted, match="no heartbeat"):
+        attempt()
+    events = read_events(Path(plan.run_dir) / "events.jsonl")
+    assert [e["event"] for e in events[2:]] == ["deleted", "attempt_ended"]
+    assert events[-1]["stalled"] is True and events[-1]["stalled_at"] == 15
