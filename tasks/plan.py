@@ -19,6 +19,9 @@ from workloads.events import EventLog
 from workloads.rundir import CONFIG, write_json_atomic
 
 MANAGED_BY = "tpupipe"
+# A directory on this machine holding the compilation cache of every run whose workload
+# runs here (local slices), whatever its storage root: see `compile_cache_dir`.
+COMPILE_CACHE_ENV = "TPUPIPE_COMPILE_CACHE"
 # The label naming, by a hash, the storage root a slice's run writes to (see `slice_labels`).
 ROOT_LABEL = "run-root"
 
@@ -86,12 +89,36 @@ def metrics_path(config: PipelineConfig) -> str:
     return os.path.abspath(config.metrics.path or default)
 
 
+def compile_cache_dir(config: PipelineConfig, default: str) -> str:
+    """The JAX compilation cache of a run: `default` (its storage root's `compile_cache/`),
+    or, for a run on local slices, the directory TPUPIPE_COMPILE_CACHE names.
+
+    Why: a cold start compiles every program again (10 s of a 15 s attempt of the tiny
+    config here), and roots are many where runs are short: one per CI job or test, one
+    per experiment. Programs are keyed by their HLO, devices and JAX version, so any run
+    may share them. A Cloud TPU slice's workers cannot read this machine's directory, so
+    a gcp run keeps its root's.
+
+    Raises:
+        ConfigError: TPUPIPE_COMPILE_CACHE names something that is not a directory.
+    """
+    shared = os.environ.get(COMPILE_CACHE_ENV)
+    if not shared or config.slice.provider != "local":
+        return default
+    if os.path.exists(shared) and not os.path.isdir(shared):
+        raise ConfigError(
+            f"{COMPILE_CACHE_ENV}={shared!r} is not a directory: it names where local runs "
+            "keep their JAX compilation cache (unset it for each root's compile_cache/)"
+        )
+    return os.path.abspath(shared)
+
+
 def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
     """Resolve names and paths; the run id is the run name, so a rerun resumes it.
 
     Raises:
         ConfigError: a Cloud TPU slice with a local storage root (its workers could not
-            read it).
+            read it); a TPUPIPE_COMPILE_CACHE that is not a directory.
     """
     run_name = config.run_name or new_run_name()
     gcs = is_gcs(config.storage.root)
@@ -109,7 +136,7 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
         storage_root=root,
         run_dir=run_dir,
         datasets_root=join(root, "datasets"),
-        compile_cache_dir=join(root, "compile_cache"),
+        compile_cache_dir=compile_cache_dir(config, join(root, "compile_cache")),
         slices_root=_local_root(config),
         metrics_path=metrics_path(config),
         config_hash=config.config_hash(),

@@ -27,3 +27,20 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """One JAX compilation cache for every local run of the session, whatever its storage
+    root (TPUPIPE_COMPILE_CACHE, inherited by the orchestrators and workers tests start):
+    a cold tiny workload spends 10 of its 15 s compiling. A test of the cache itself
+    unsets it (`monkeypatch.delenv`), and gets its root's own `compile_cache/`."""
+    from tasks.plan import COMPILE_CACHE_ENV
+
+    before = os.environ.get(COMPILE_CACHE_ENV)
+    os.environ[COMPILE_CACHE_ENV] = str(tmp_path_factory.mktemp("compile_cache"))
+    yield
+    if before is None:
+        os.environ.pop(COMPILE_CACHE_ENV, None)
+    else:
+        os.environ[COMPILE_CACHE_ENV] = before

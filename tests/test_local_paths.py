@@ -12,7 +12,7 @@ from flows.cli import main as cli_main
 from infra.metrics import DuckDBSink
 from tasks.plan import plan_run
 from tasks.prepare import check_inputs, check_local_paths
-from tests.helpers import REPO, tiny_config
+from tests.helpers import GCP_OVERRIDES, REPO, tiny_config
 from workloads.config_file import ConfigError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -111,3 +111,24 @@ def test_a_metrics_database_and_usable_symlinks_pass(tmp_path):
     for metrics in (disk / "real.duckdb", tmp_path / "m.duckdb", tmp_path / "new" / "m.duckdb"):
         config = tiny_config(tmp_path / "root", f"metrics.path={metrics}")
         check_local_paths(config, plan_run(config))
+
+
+def test_local_runs_share_the_compilation_cache_tpupipe_compile_cache_names(
+    tmp_path, monkeypatch, capsys
+):
+    # Set: every local run's workload compiles into that directory, whatever its root.
+    shared = tmp_path / "cache"
+    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", str(shared))
+    for root in ("a", "b"):
+        assert plan_run(tiny_config(tmp_path / root)).compile_cache_dir == str(shared)
+    # A Cloud TPU slice's workers cannot read this machine's directory: its root's.
+    gcp = tiny_config(tmp_path, *GCP_OVERRIDES)
+    assert plan_run(gcp).compile_cache_dir == "gs://bkt/root/compile_cache"
+    # Unset: the storage root's own.
+    monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")
+    assert plan_run(tiny_config(tmp_path)).compile_cache_dir == str(tmp_path / "compile_cache")
+    # A file is refused, naming the variable, before anything starts.
+    shared.write_text("")
+    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", str(shared))
+    assert cli_main(["validate", "--config", TINY, "--set", f"storage.root={tmp_path}"]) == 2
+    assert f"TPUPIPE_COMPILE_CACHE='{shared}' is not a directory" in capsys.readouterr().err

@@ -98,7 +98,8 @@ def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_save(t
     assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir()) == ["1"]
 
 
-def test_preempted_then_killed_run_ends_bit_identical(tmp_path):
+def test_preempted_then_killed_run_ends_bit_identical(tmp_path, monkeypatch):
+    monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")  # the root's own cache, cold at first
     every = 10
     reference = WorkloadRun(tmp_path, "run_name=uninterrupted", *EXACT, *LONG)
     assert reference.run_to_end() == 0
@@ -232,26 +233,34 @@ def test_the_heartbeat_beats_between_rare_log_steps(tmp_path):
     assert len(beats) > 3 and max(np.diff(beats)) < 1.0, np.diff(beats)
 
 
-def test_empty_compilation_cache_entries_a_full_disk_left_are_deleted(tmp_path, caplog):
+def test_compilation_cache_entries_a_write_cut_short_are_deleted(tmp_path, caplog):
     # JAX writes an entry in place and skips a key whose file exists: 25 entries a full
-    # disk left empty made every later run warn "truncated stream" and compile again.
-    from workloads.perf import drop_empty_cache_entries
+    # disk left empty, or one cut at 12 kB, made every later run warn "truncated stream"
+    # and compile again, for good.
+    import zlib
 
+    from workloads.compile_cache import repair_cache_entries
+
+    program = zlib.compress(np.random.default_rng(0).bytes(40_000))
     (tmp_path / "jit_step-abc-cache").write_bytes(b"")
-    (tmp_path / "jit_step-abc-atime").write_bytes(b"")  # not an entry: left alone
-    (tmp_path / "jit_loss-def-cache").write_bytes(b"\x28\xb5\x2f\xfd")
-    drop_empty_cache_entries(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    (tmp_path / "jit_eval-cut-cache").write_bytes(program[: len(program) // 2])
+    (tmp_path / "jit_loss-def-cache").write_bytes(program)
+    (tmp_path / "jit_adam-old-cache").write_bytes(b"not read")  # JAX finished it: its
+    (tmp_path / "jit_adam-old-atime").write_bytes(b"\0" * 8)  # -atime came after it
+    repair_cache_entries(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "jit_adam-old-atime",
+        "jit_adam-old-cache",
+        "jit_loss-def-atime",  # read once, whole: not read again
         "jit_loss-def-cache",
-        "jit_step-abc-atime",
     ]
-    assert "jit_step-abc-cache" in caplog.text
-    drop_empty_cache_entries(str(tmp_path / "none-yet"))  # no cache yet: nothing to do
+    assert "jit_step-abc-cache" in caplog.text and "jit_eval-cut-cache" in caplog.text
+    repair_cache_entries(str(tmp_path / "none-yet"))  # no cache yet: nothing to do
 
 
 BOUNDED_CACHE = """
 import sys, jax, numpy as np
-from workloads.perf import configure_compile_cache
+from workloads.compile_cache import configure_compile_cache
 configure_compile_cache(sys.argv[1], float(sys.argv[2]))
 for k in range(30):  # 30 programs of about 2.5 kB each
     jax.jit(lambda x, k=k: x * k + 1)(np.arange(7.0)).block_until_ready()
@@ -264,10 +273,12 @@ def test_a_local_compilation_cache_keeps_within_storage_compile_cache_gb(tmp_pat
     # `-atime` file, which JAX's eviction reads: every write to such a cache failed.
     import subprocess
     import sys
+    import zlib
 
     from tests.helpers import REPO
 
-    (tmp_path / "from-before-cache").write_bytes(b"\x01" * 50_000)  # no atime file
+    program = zlib.compress(np.random.default_rng(0).bytes(50_000))
+    (tmp_path / "from-before-cache").write_bytes(program)  # no atime file
     out = subprocess.run(
         [sys.executable, "-W", "always", "-c", BOUNDED_CACHE, str(tmp_path), "0.00008"],
         cwd=REPO,

@@ -8,10 +8,8 @@ peak is what one device's matmul reaches, whatever the device count.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -141,56 +139,3 @@ class CompileCounter:
             self.hits += 1
         elif event == "/jax/compilation_cache/cache_misses":
             self.misses += 1
-
-
-def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) -> None:
-    """Share compiled programs between attempts: a resumed attempt skips recompiling.
-
-    With `max_gb`, a local cache keeps at most that much, deleting the least recently used
-    programs first (JAX's own LRU, under a file lock every process of a slice shares).
-    Every run with new hyperparameters compiles its own step (the learning-rate schedule
-    is a constant of it), so a storage root used nightly and by sweeps grew its cache
-    without end. A `gs://` cache is left unbounded here: JAX would lock it with a lock
-    object that a killed worker leaves behind; a bucket lifecycle rule bounds it.
-    """
-    if not cache_dir:
-        return
-    bounded = max_gb is not None and "://" not in cache_dir
-    drop_empty_cache_entries(cache_dir, stamp=bounded)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 1e9) if bounded else -1)
-
-
-def drop_empty_cache_entries(cache_dir: str, stamp: bool = False) -> None:
-    """Delete the empty entries of a local compilation cache; with `stamp`, also give each
-    entry without an `-atime` file one, its last write. One pass over the directory, at
-    every workload's start.
-
-    Empty entries: JAX writes an entry in place and never writes one whose file exists, so
-    an entry a full disk left empty made every later run, of any run name, warn and compile
-    that program again, for good. (A GCS object is written whole or not at all.)
-
-    `-atime` files: JAX's eviction (`storage.compile_cache_gb`) reads every entry's, and an
-    entry written while eviction was off (every cache made before it was bounded) has none,
-    so every later write to the cache failed.
-    """
-    if "://" in cache_dir:
-        return
-    try:
-        entries = {e.name: e for e in os.scandir(cache_dir)}
-    except OSError:
-        return  # none yet
-    for name, entry in entries.items():
-        key = name.removesuffix("-cache")
-        if key == name:
-            continue  # not an entry
-        with contextlib.suppress(OSError):  # another host or run may be at it too
-            st = entry.stat()
-            if st.st_size == 0:
-                os.unlink(entry.path)
-                log.warning("deleted the empty compilation cache entry %s", entry.path)
-            elif stamp and f"{key}-atime" not in entries:
-                with open(os.path.join(cache_dir, f"{key}-atime"), "xb") as fh:
-                    fh.write(st.st_mtime_ns.to_bytes(8, "little"))

@@ -26,17 +26,13 @@ import jax
 from etils import epath
 
 from workloads import checkpoint, input
+from workloads.compile_cache import configure_compile_cache
 from workloads.config import WorkloadConfig
 from workloads.config_file import ConfigError, load_workload_config, misplaced_config
 from workloads.config_infra import SliceConfig
 from workloads.events import SUPERSEDED_EXIT, EventLog, LeaseLost, beside_live_workload
 from workloads.hosts import PreemptionNotice, host_index, init_distributed, record_failure
-from workloads.perf import (  # configure_compile_cache: re-exported
-    CompileCounter,
-    configure_compile_cache,
-    model_flops_per_token,
-    slice_peak,
-)
+from workloads.perf import CompileCounter, model_flops_per_token, slice_peak
 from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomic
 from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
