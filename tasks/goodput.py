@@ -47,6 +47,7 @@ class Goodput:
     seconds: dict[str, float] = field(default_factory=dict)
     attempts: int = 0
     preemptions: int = 0
+    stalled: int = 0  # of the preemptions, attempts that were stalled (AttemptTimeline)
     invocations: int = 0  # flow runs of the run name that appended to its ledger
 
     @property
@@ -88,6 +89,9 @@ class AttemptTimeline:
     first_step: int | None = None  # the step the attempt resumed after (0: from scratch)
     kept_step: int | None = None  # the run went on from this step of this attempt's work
     resumed_from: int | None = None  # the checkpoint it restored (0: none), if recorded
+    # Preempted without a notice and no checkpoint past the one it resumed from (what
+    # `resilience.max_stalled_attempts` counts): out of memory or stuck, more likely.
+    stalled: bool = False
 
     @property
     def steps_kept(self) -> int:
@@ -190,6 +194,7 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             ended=end,
             deleted=t.get("deleted"),
             resumed_from=resumes[i],
+            stalled=any(e.get("stalled") is True for e in evs if e["event"] == "attempt_ended"),
         )
         timelines.append(line)
         if requested is not None:
@@ -247,6 +252,7 @@ def compute_goodput(events: list[dict]) -> Goodput:
         seconds,
         attempts=len(timelines),
         preemptions=preemptions,
+        stalled=sum(line.stalled for line in timelines),
         invocations=len(spans),
     )
 

@@ -169,7 +169,7 @@ def format_report(report: RunReport) -> str:
                 str(line.attempt),
                 f"+{_start(line) - t0:.1f}",
                 f"+{end - t0:.1f}",
-                line.outcome or "running?",
+                "stalled" if line.stalled else line.outcome or "running?",
                 *(f"{seconds[b]:.1f}" for b in ATTEMPT_BUCKETS),
                 str(a.price.chips),
                 f"{a.billed_s:.1f}",
@@ -188,9 +188,13 @@ def format_report(report: RunReport) -> str:
     ratio = "n/a" if good.goodput is None else f"{good.goodput:.1%}"
     # A rerun of the run name appends to the ledger; the wall leaves out the gaps between.
     over = f" over {good.invocations} invocations" if good.invocations > 1 else ""
+    # Counted with the preemptions (their budget), and told apart: each was lost without
+    # a notice before saving anything new, which a run failed by the stall guard ends with.
+    stalled = f" (stalled {good.stalled})" if good.stalled else ""
     lines += [
         "",
-        f"attempts {good.attempts}, preempted {good.preemptions}; wall {good.wall_s:.1f}s{over}; "
+        f"attempts {good.attempts}, preempted {good.preemptions}{stalled}; "
+        f"wall {good.wall_s:.1f}s{over}; "
         f"goodput {ratio} (productive {good.seconds['productive']:.1f}s)",
         f"badput: {badput}",
         _tokens_line(ledger, report.config is not None),

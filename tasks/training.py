@@ -201,17 +201,23 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         # The slice goes first: its delete is a notice (SIGTERM) to a workload that was
         # only late (a paused VM, a stuck write), and one that saves then has progressed.
         # Judged before it, such an attempt was called stalled beside its own new step.
+        # The attempt still ended now: its deletion is teardown, not lost time.
+        ended = events.clock()
         _delete_after(provider, plan, events, logger)
         deleted = True
         stalled = _stalled(exc, plan, attempt, resumes_from)
-        events.emit("attempt_ended", outcome="preempted", reason=str(exc), **stalled)
+        events.emit("attempt_ended", at=ended, outcome="preempted", reason=str(exc), **stalled)
         logger.warning("attempt %d preempted: %s", attempt, exc)
         ledger = read_events(f"{plan.run_dir}/{EVENTS}") if stalled else []
         if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:
             # Each retry re-provisions a slice (21 of them with the default budget) for a
             # workload killed at the same step each time: out of memory on its host, say.
             base = stalled["stalled_at"]
-            past = f"past step {base}" if base else "(the run has none yet)"
+            past = (
+                f"past the one each resumed from (step {base}, the last)"
+                if base
+                else "(the run has none yet)"
+            )
             raise WorkloadFailed(
                 f"{exc}; {in_a_row} attempt(s) in a row were lost without a preemption "
                 f"notice before committing a checkpoint {past} "

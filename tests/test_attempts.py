@@ -204,6 +204,8 @@ def test_an_attempt_that_saves_when_its_slice_is_deleted_is_not_stalled(
     events = read_events(Path(plan.run_dir) / "events.jsonl")
     assert [e["event"] for e in events] == ["deleted", "attempt_ended"]
     assert "stalled" not in events[-1]
+    # It ended when it fell silent: the deletion after that is teardown, not lost time.
+    assert events[1]["time"] < events[0]["time"]
 
     # Silent, and still nothing past its step after the delete: stalled, deleted once.
     newest["step"] = 15

@@ -62,7 +62,7 @@ class EventLog:
         self.lease = lease
         self.source = source
         self.invocation = invocation
-        self._clock = clock
+        self.clock = clock  # what times its events
 
     @classmethod
     def from_env(cls, run_dir: str, env: Mapping[str, str] = os.environ) -> EventLog:
@@ -76,10 +76,11 @@ class EventLog:
         attempt = env.get("TPUPIPE_ATTEMPT")
         return cls(run_dir, int(attempt) if attempt else None, env.get("TPUPIPE_LEASE"))
 
-    def emit(self, event: str, **fields: Any) -> None:
-        """Append one event as a single line (one write, so lines never interleave)."""
+    def emit(self, event: str, at: float | None = None, **fields: Any) -> None:
+        """Append one event as a single line (one write, so lines never interleave), timed
+        now or `at` (a moment this log's clock gave earlier)."""
         payload = {
-            "time": self._clock(),
+            "time": self.clock() if at is None else at,
             "event": event,
             "attempt": self.attempt,
             "source": self.source,
