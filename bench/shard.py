@@ -204,13 +204,19 @@ def train_reference(dataset_dir: str, steps: int = 20) -> None:
     """Child process: the demo's train step on its 8-device mesh; prints seconds per step."""
     from workloads import input
     from workloads.config_file import load_config
-    from workloads.trainer import create_train_state, make_mesh, make_train_step, place_batch
+    from workloads.trainer import (
+        create_train_state,
+        lr_hyper,
+        make_mesh,
+        make_train_step,
+        place_batch,
+    )
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
     info = input.dataset_info(dataset_dir)
     mesh = make_mesh(cfg.mesh)
     state = create_train_state(cfg.model, cfg.train, info.vocab_size, cfg.seed, mesh)
-    step = make_train_step(state.graphdef, mesh)
+    step = make_train_step(state.graphdef, mesh, lr_hyper(cfg.train))
     it = input.train_iterator(dataset_dir, cfg.train.batch_size, cfg.seed)
     batches = [next(it) for _ in range(steps + 3)]  # read first: time the step alone
     arrays = state.arrays

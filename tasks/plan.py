@@ -100,15 +100,21 @@ def compile_cache_dir(config: PipelineConfig, default: str) -> str:
     a gcp run keeps its root's.
 
     Raises:
-        ConfigError: TPUPIPE_COMPILE_CACHE names something that is not a directory.
+        ConfigError: TPUPIPE_COMPILE_CACHE names something that is not a directory, or
+            one this user cannot write to.
     """
     shared = os.environ.get(COMPILE_CACHE_ENV)
     if not shared or config.slice.provider != "local":
         return default
+    problem = None
     if os.path.exists(shared) and not os.path.isdir(shared):
+        problem = "is not a directory"
+    elif os.path.isdir(shared) and not os.access(shared, os.W_OK | os.X_OK):
+        problem = "is a directory this user cannot write to"
+    if problem:
         raise ConfigError(
-            f"{COMPILE_CACHE_ENV}={shared!r} is not a directory: it names where local runs "
-            "keep their JAX compilation cache (unset it for each root's compile_cache/)"
+            f"{COMPILE_CACHE_ENV}={shared!r} {problem}: it names where local runs keep "
+            "their JAX compilation cache (unset it for each root's compile_cache/)"
         )
     return os.path.abspath(shared)
 
@@ -118,7 +124,7 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
 
     Raises:
         ConfigError: a Cloud TPU slice with a local storage root (its workers could not
-            read it); a TPUPIPE_COMPILE_CACHE that is not a directory.
+            read it); a TPUPIPE_COMPILE_CACHE that is not a writable directory.
     """
     run_name = config.run_name or new_run_name()
     gcs = is_gcs(config.storage.root)

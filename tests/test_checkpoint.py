@@ -20,6 +20,7 @@ from workloads.step_metrics import NonFiniteError
 from workloads.trainer import (
     BATCH_KEYS,
     create_train_state,
+    lr_hyper,
     make_mesh,
     make_train_step,
     place_batch,
@@ -108,7 +109,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path, state):
 
 def test_saves_reuse_the_check_compiled_after_the_first_step(tmp_path, state):
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    step = make_train_step(state.graphdef, mesh)
+    step = make_train_step(state.graphdef, mesh, lr_hyper(TRAIN))
     batch = {key: np.ones((8, 64), np.int32) for key in BATCH_KEYS}
     arrays, _ = step(state.arrays, place_batch(batch, mesh))
     ckpt_integrity._scan_each.clear_cache()  # earlier tests may have compiled it

@@ -11,6 +11,7 @@ from workloads.model import Block, Transformer
 from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
     create_train_state,
+    lr_hyper,
     lr_schedule,
     make_mesh,
     make_train_step,
@@ -36,7 +37,7 @@ def make_batch(seed: int = 0, batch: int = 8, seq: int = 16) -> dict[str, np.nda
 def losses_on(mesh_shape: tuple[int, int, int], steps: int = 3) -> list[float]:
     mesh = make_mesh(MeshConfig(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2]))
     state = create_train_state(MODEL, TRAIN, 257, seed=0, mesh=mesh)
-    step = make_train_step(state.graphdef, mesh)
+    step = make_train_step(state.graphdef, mesh, lr_hyper(TRAIN))
     arrays, out = state.arrays, []
     for i in range(steps):
         arrays, metrics = step(arrays, place_batch(make_batch(i), mesh))
@@ -68,7 +69,7 @@ def test_the_step_compiles_once_and_keeps_the_state_on_its_shardings():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     state = create_train_state(MODEL, TRAIN, 257, seed=0, mesh=mesh)
     before = jax.tree.map(lambda x: x.sharding, state.arrays)
-    step, arrays = make_train_step(state.graphdef, mesh), state.arrays
+    step, arrays = make_train_step(state.graphdef, mesh, lr_hyper(TRAIN)), state.arrays
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **kw: (
@@ -95,7 +96,7 @@ def test_a_long_max_seq_len_gives_the_same_losses_on_short_sequences():
     for max_len in (64, 2**28):
         model = MODEL.model_copy(update={"max_seq_len": max_len})
         state = create_train_state(model, TRAIN, 257, seed=0, mesh=mesh)
-        _, metrics = make_train_step(state.graphdef, mesh)(
+        _, metrics = make_train_step(state.graphdef, mesh, lr_hyper(TRAIN))(
             state.arrays, place_batch(make_batch(), mesh)
         )
         out[max_len] = float(metrics["loss"])
@@ -194,7 +195,7 @@ def test_gradients_are_clipped_to_the_configured_global_norm(clip):
     grads = {"w": np.full((4, 4), 3.0, np.float32), "b": np.full((4,), 4.0, np.float32)}
     params = jax.tree.map(np.zeros_like, grads)
     opt = make_optimizer(TRAIN.model_copy(update={"grad_clip_norm": clip}))
-    _, state = opt.update(grads, opt.init(params), params)
+    _, state = opt.update(grads, opt.init(params), params, lr=lr_hyper(TRAIN))
     first_moment = state[1][0].mu
     norm = float(optax.tree.norm(grads))
     assert float(optax.tree.norm(first_moment)) == pytest.approx(0.1 * (clip or norm), rel=1e-5)

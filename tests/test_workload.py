@@ -141,6 +141,14 @@ def test_preempted_then_killed_run_ends_bit_identical(tmp_path, monkeypatch):
         assert row["compile_cache_hits"] >= cold["compile_cache_misses"] - 10 > 0
         assert row["compile_cache_misses"] <= 1
 
+    # Another learning rate, warmup and length compile nothing new: the schedule is an
+    # argument of the step. As constants in it, each trial of a sweep compiled its step.
+    hyper = ("train.steps=20", "train.learning_rate=0.003", "train.warmup_steps=5")
+    other = WorkloadRun(tmp_path, "run_name=other", *EXACT, *hyper)
+    assert other.run_to_end() == 0
+    (first,) = [row for row in other.metrics() if "resumed_from" in row]
+    assert first["compile_cache_misses"] == 0 and first["compile_cache_hits"] > 0
+
 
 @pytest.mark.parametrize("bound", [None, 8])
 def test_a_kill_while_a_save_is_written_loses_at_most_the_bound(tmp_path, bound):

@@ -22,10 +22,11 @@ def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) 
 
     With `max_gb`, a local cache keeps at most that much, deleting the least recently used
     programs first (JAX's own LRU, under a file lock every process of a slice shares).
-    Every run with new hyperparameters compiles its own step (the learning-rate schedule
-    is a constant of it), so a storage root used nightly and by sweeps grew its cache
-    without end. A `gs://` cache is left unbounded here: JAX would lock it with a lock
-    object that a killed worker leaves behind; a bucket lifecycle rule bounds it.
+    Every run of another model, batch, mesh or dtype compiles its own step (the learning
+    rate's schedule is an argument of it, `workloads.trainer.LRSchedule`), so a storage
+    root used nightly and by sweeps grew its cache without end. A `gs://` cache is left
+    unbounded here: JAX would lock it with a lock object that a killed worker leaves
+    behind; a bucket lifecycle rule bounds it.
     """
     if not cache_dir:
         return
@@ -53,8 +54,9 @@ def repair_cache_entries(cache_dir: str) -> None:
     """
     if "://" in cache_dir or not os.path.isdir(cache_dir):
         return
+    # Not repaired (cannot lock, busy for 30 s): JAX still reads and writes the cache.
     with (
-        contextlib.suppress(filelock.Timeout),
+        contextlib.suppress(filelock.Timeout, OSError),
         filelock.FileLock(os.path.join(cache_dir, ".lockfile"), timeout=30),
     ):
         entries = {e.name: e for e in os.scandir(cache_dir)}

@@ -37,6 +37,7 @@ from workloads.rundir import RunDir, finite_or_none, read_json, write_json_atomi
 from workloads.step_metrics import MetricsWindow, NonFiniteError
 from workloads.trainer import (
     create_train_state,
+    lr_hyper,
     lr_schedule,
     make_mesh,
     make_train_step,
@@ -155,7 +156,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         model_flops_per_token(cfg.model, info.vocab_size, info.seq_len),
         peak.flops_per_s,
     )
-    step_fn = make_train_step(state.graphdef, mesh)
+    step_fn = make_train_step(state.graphdef, mesh, lr_hyper(cfg.train))
     total, every = cfg.train.steps, cfg.train.checkpoint_every
     step = last_saved = committed = start
     loss, beat_s = None, heartbeat_interval(cfg.slice)
