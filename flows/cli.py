@@ -72,6 +72,7 @@ def _command(args: argparse.Namespace) -> int:
     from tasks.plan import metrics_path, new_run_name
     from tasks.prepare import DatasetError, DatasetWriteError
     from tasks.run_lock import RunInUse
+    from tasks.watch import WorkloadFailed
 
     # Named here, not in the flow, so the lines below can say how to resume an unnamed run:
     # it said "run None stopped by Ctrl-C; run it again", and again made a new run.
@@ -103,9 +104,12 @@ def _command(args: argparse.Namespace) -> int:
         print(f"not started:\n{exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        # The workload's own failure (a crash, NaN, the stall guard) comes back on a rerun
+        # as it is: "run it again" alone sent users round that loop.
+        when = " once its cause is dealt with" if isinstance(exc, WorkloadFailed) else ""
         print(
             f"pipeline failed: {type(exc).__name__}: {exc}\n"
-            f"(run {config.run_name}: {again} to resume it)",
+            f"(run {config.run_name}: {again} to resume it{when})",
             file=sys.stderr,
         )
         return 1

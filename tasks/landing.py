@@ -138,8 +138,9 @@ def land_metrics(
     sink.ensure_tables()
     stored = sink.read_run(run.run_id)
     # Checked at the start too (`check_run_owner`), but another storage root's run of this
-    # name may have landed since: two at once replaced and mixed each other's rows.
-    if (problem := owner_problem(config, plan, stored)) is not None:
+    # name may have landed since: two at once replaced and mixed each other's rows. A
+    # moved or copied root was said at the start.
+    if (problem := owner_problem(config, plan, stored, say=False)) is not None:
         raise RunOwnerConflict(f"not landed: {problem}; this run's results stay in its directory")
     if error is not None and result is None and stored is not None and stored.eval_loss is not None:
         # A failed landing keeps the stored evaluation (landing_rule): it keeps the config

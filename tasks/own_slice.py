@@ -126,6 +126,14 @@ def _delete_recording(
     deleted = provider.delete(plan.slice_name, where=ours)
     if deleted:
         for number, state in sorted(left.items()):
+            # A killed orchestrator's slice, billed until now: said, not only recorded.
+            log.warning(
+                "deleted slice %s, left %s by attempt %d of run %s (billed to that attempt)",
+                plan.slice_name,
+                state,
+                number,
+                plan.run_id,
+            )
             _record_leftover(plan, number, state)
     return deleted
 

@@ -73,16 +73,16 @@ class RunOwnerConflict(RuntimeError):
     of one name in two storage roots at once); nothing of this run was landed."""
 
 
-def owner_problem(config: PipelineConfig, plan: RunPlan, row) -> str | None:
+def owner_problem(config: PipelineConfig, plan: RunPlan, row, say: bool = True) -> str | None:
     """Why `row`, the landed `runs` row of this run's name (or None), is not this run's to
     replace, or None. A row that names no run directory (landed before the column
     existed) is taken as this run's, as is one landed from where this run's directory
-    was moved from (see the module docstring)."""
+    was moved from (see the module docstring), which is logged unless not `say`."""
     if row is None or row.run_dir is None or same_directory(row.run_dir, plan.run_dir):
         return None
     copied = row.flow_run_id is not None and row.flow_run_id in recorded_invocations(plan.run_dir)
     if copied and (not _exists(row.run_dir) or _own_file(config, plan)):
-        log.info(
+        (log.info if say else log.debug)(
             "run %s landed from %s; this run directory, %s, holds that run's attempts (its "
             "storage root was %s): its rows in %s now name this one",
             config.run_name,

@@ -291,7 +291,9 @@ def test_a_run_of_the_same_name_landed_meanwhile_from_another_root_is_not_replac
 STEP_COUNT = "SELECT count(*) FROM step_metrics WHERE run_id = ?"
 
 
-def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(finished, tmp_path):
+def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(
+    finished, tmp_path, caplog
+):
     # Moving a root took the run's landed row's directory away: every run of the moved
     # root was refused as "a run of this name from another run directory", naming the
     # gone one, and the advice (another run_name) threw away its checkpoints.
@@ -305,7 +307,9 @@ def test_a_moved_storage_root_resumes_its_runs_and_a_copy_beside_it_is_refused(f
     shutil.copytree(finished, tmp_path / "a")
     rerun(tmp_path / "a", metrics)  # only evaluates: its invocation is recorded at landing
     (tmp_path / "a").rename(tmp_path / "b")
+    caplog.clear()
     assert rerun(tmp_path / "b", metrics).eval_loss
+    assert caplog.text.count("holds that run's attempts (its storage root was moved)") == 1
     sink = DuckDBSink(metrics)
     row = "SELECT run_dir, status FROM runs WHERE run_id = ?"
     assert sink.query(row, [NAME]) == [(str(tmp_path / "b" / "runs" / NAME), "completed")]

@@ -64,9 +64,10 @@ def leftovers(plan) -> list[dict]:
     return [e for e in read_events(f"{plan.run_dir}/events.jsonl") if "leftover" in e["event"]]
 
 
-def test_the_rerun_s_attempt_records_deleting_the_killed_attempt_s_slice(run):
+def test_the_rerun_s_attempt_records_deleting_the_killed_attempt_s_slice(run, caplog):
     config, plan, provider = run
     training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+    assert f"deleted slice {plan.slice_name}, left READY by attempt 1 of run left" in caplog.text
 
     events = read_events(f"{plan.run_dir}/events.jsonl")
     (left,) = leftovers(plan)

@@ -287,6 +287,7 @@ def test_attempts_killed_before_saving_again_and_again_fail_the_run(tmp_path, pr
     host) was re-provisioned on the whole preemption budget, 21 slices by default."""
     from flows.pipeline import tpu_training_pipeline
     from infra.slices import build_provider
+    from tasks.report import format_report, load_report
     from tasks.watch import WorkloadFailed
 
     config = tiny_config(
@@ -308,6 +309,11 @@ def test_attempts_killed_before_saving_again_and_again_fail_the_run(tmp_path, pr
         (3, "preempted", True),
     ]
     assert not build_provider("local", str(tmp_path)).list()  # torn down
+    # The report tells these attempts from preemptions (it read "preempted 3" alone).
+    out = format_report(load_report(str(tmp_path), "oom"))
+    assert "attempts 3, preempted 3 (stalled 3);" in out
+    rows = [row.split() for row in out.splitlines()]
+    assert [row[3] for row in rows if row[:1] in (["1"], ["2"], ["3"])] == ["stalled"] * 3
 
 
 def test_failed_training_still_kills_the_slice(tmp_path, prefect_harness, monkeypatch):
@@ -372,16 +378,18 @@ def test_a_signal_stays_the_cause_when_the_teardown_after_it_fails(
     assert status == "failed" and "KeyboardInterrupt" in error and "SliceError" not in error
 
 
-def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness):
+def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness, capsys):
     """A diverging run stops with a clear error and never checkpoints the bad state."""
-    from flows.pipeline import tpu_training_pipeline
-    from tasks.watch import WorkloadFailed
+    from flows.cli import main as cli_main
 
-    config = tiny_config(
-        tmp_path, "run_name=diverges", "train.learning_rate=1e30", "train.warmup_steps=0"
-    )
-    with pytest.raises(WorkloadFailed, match="not finite"):
-        tpu_training_pipeline(config=config)
+    args = ["run", "--config", str(REPO / "configs" / "tiny.yaml")]
+    for override in (f"storage.root={tmp_path}", "run_name=diverges", "train.learning_rate=1e30"):
+        args += ["--set", override]
+    assert cli_main([*args, "--set", "train.warmup_steps=0"]) == 1
+    err = capsys.readouterr().err
+    assert "pipeline failed: WorkloadFailed:" in err and "not finite" in err
+    # It comes back on a rerun as it is: "run it again" alone sent users round that loop.
+    assert err.rstrip().endswith("run it again to resume it once its cause is dealt with)")
     assert _slices_left(tmp_path) == []
     run_dir = tmp_path / "runs" / "diverges"
     assert checkpoint.latest_step(str(run_dir)) is None
