@@ -132,7 +132,7 @@ def _delete_recording(
                 plan.slice_name,
                 state,
                 number,
-                plan.run_id,
+                plan.run_name,
             )
             _record_leftover(plan, number, state)
     return deleted
