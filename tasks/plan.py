@@ -91,31 +91,19 @@ def metrics_path(config: PipelineConfig) -> str:
 
 def compile_cache_dir(config: PipelineConfig, default: str) -> str:
     """The JAX compilation cache of a run: `default` (its storage root's `compile_cache/`),
-    or, for a run on local slices, the directory TPUPIPE_COMPILE_CACHE names.
+    or, for a run on local slices, the directory TPUPIPE_COMPILE_CACHE names (checked with
+    the run's other local places, `tasks.prepare.check_local_paths`, not here: a reaper
+    building a plan to delete slices has no use for it).
 
     Why: a cold start compiles every program again (10 s of a 15 s attempt of the tiny
     config here), and roots are many where runs are short: one per CI job or test, one
     per experiment. Programs are keyed by their HLO, devices and JAX version, so any run
     may share them. A Cloud TPU slice's workers cannot read this machine's directory, so
     a gcp run keeps its root's.
-
-    Raises:
-        ConfigError: TPUPIPE_COMPILE_CACHE names something that is not a directory, or
-            one this user cannot write to.
     """
     shared = os.environ.get(COMPILE_CACHE_ENV)
     if not shared or config.slice.provider != "local":
         return default
-    problem = None
-    if os.path.exists(shared) and not os.path.isdir(shared):
-        problem = "is not a directory"
-    elif os.path.isdir(shared) and not os.access(shared, os.W_OK | os.X_OK):
-        problem = "is a directory this user cannot write to"
-    if problem:
-        raise ConfigError(
-            f"{COMPILE_CACHE_ENV}={shared!r} {problem}: it names where local runs keep "
-            "their JAX compilation cache (unset it for each root's compile_cache/)"
-        )
     return os.path.abspath(shared)
 
 
@@ -124,7 +112,7 @@ def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:
 
     Raises:
         ConfigError: a Cloud TPU slice with a local storage root (its workers could not
-            read it); a TPUPIPE_COMPILE_CACHE that is not a writable directory.
+            read it).
     """
     run_name = config.run_name or new_run_name()
     gcs = is_gcs(config.storage.root)

@@ -202,11 +202,15 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
         # only late (a paused VM, a stuck write), and one that saves then has progressed.
         # Judged before it, such an attempt was called stalled beside its own new step.
         # The attempt still ended now: its deletion is teardown, not lost time.
-        ended = events.clock()
-        _delete_after(provider, plan, events, logger)
-        deleted = True
-        stalled = _stalled(exc, plan, attempt, resumes_from)
-        events.emit("attempt_ended", at=ended, outcome="preempted", reason=str(exc), **stalled)
+        ended, stalled = events.clock(), {}
+        deleted = True  # here, not again in `finally`: the flow's teardown tries again
+        try:
+            _delete_after(provider, plan, events, logger)
+            stalled = _stalled(exc, plan, attempt, resumes_from)
+        finally:
+            # Even when a signal stops the delete (minutes on Cloud TPU): without it, the
+            # ledger called the attempt running, then abandoned, and its deletion lost time.
+            events.emit("attempt_ended", at=ended, outcome="preempted", reason=str(exc), **stalled)
         logger.warning("attempt %d preempted: %s", attempt, exc)
         ledger = read_events(f"{plan.run_dir}/{EVENTS}") if stalled else []
         if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:

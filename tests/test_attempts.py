@@ -215,3 +215,14 @@ def test_an_attempt_that_saves_when_its_slice_is_deleted_is_not_stalled(
     events = read_events(Path(plan.run_dir) / "events.jsonl")
     assert [e["event"] for e in events[2:]] == ["deleted", "attempt_ended"]
     assert events[-1]["stalled"] is True and events[-1]["stalled_at"] == 15
+
+    # The orchestrator stopped (Ctrl-C, SIGTERM) while the slice is deleted: the attempt
+    # still ended, preempted; it read "running?", then "abandoned", its deletion lost time.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "delete_own_slice", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        attempt()
+    events = read_events(Path(plan.run_dir) / "events.jsonl")
+    assert [(e["event"], e["outcome"]) for e in events[4:]] == [("attempt_ended", "preempted")]

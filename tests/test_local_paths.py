@@ -127,8 +127,13 @@ def test_local_runs_share_the_compilation_cache_tpupipe_compile_cache_names(
     # Unset: the storage root's own.
     monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")
     assert plan_run(tiny_config(tmp_path)).compile_cache_dir == str(tmp_path / "compile_cache")
-    # A file is refused, naming the variable, before anything starts.
+    # A file, or a path beneath one, is refused naming the variable, before anything
+    # starts: JAX ran without a cache, saying so only in the slice's log.
     shared.write_text("")
-    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", str(shared))
-    assert cli_main(["validate", "--config", TINY, "--set", f"storage.root={tmp_path}"]) == 2
-    assert f"TPUPIPE_COMPILE_CACHE='{shared}' is not a directory" in capsys.readouterr().err
+    for value in (shared, shared / "sub"):
+        monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", str(value))
+        assert cli_main(["validate", "--config", TINY, "--set", f"storage.root={tmp_path}"]) == 2
+        said = f"TPUPIPE_COMPILE_CACHE = '{value}': {value} cannot be created ({shared} is not"
+        assert said in capsys.readouterr().err
+    # Deleting slices needs no cache: the reaper's plan of a run is made all the same.
+    assert plan_run(tiny_config(tmp_path)).compile_cache_dir == str(shared / "sub")
