@@ -101,10 +101,14 @@ def compile_cache_dir(config: PipelineConfig, default: str) -> str:
     may share them. A Cloud TPU slice's workers cannot read this machine's directory, so
     a gcp run keeps its root's.
     """
+    shared = shared_compile_cache(config)
+    return default if shared is None else os.path.abspath(shared)
+
+
+def shared_compile_cache(config: PipelineConfig) -> str | None:
+    """TPUPIPE_COMPILE_CACHE as set, when it applies to `config` (a run on local slices)."""
     shared = os.environ.get(COMPILE_CACHE_ENV)
-    if not shared or config.slice.provider != "local":
-        return default
-    return os.path.abspath(shared)
+    return shared if shared and config.slice.provider == "local" else None
 
 
 def plan_run(config: PipelineConfig, flow_run_id: str | None = None) -> RunPlan:

@@ -15,7 +15,13 @@ from prefect.cache_policies import NONE
 from infra.metrics.duckdb_file import database_file_problem
 from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
-from tasks.plan import COMPILE_CACHE_ENV, RunPlan, plan_run, write_workload_config
+from tasks.plan import (
+    COMPILE_CACHE_ENV,
+    RunPlan,
+    plan_run,
+    shared_compile_cache,
+    write_workload_config,
+)
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
 from tasks.rerun import check_resumable
@@ -167,7 +173,7 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
         ConfigError: naming the field, its value and the path in the way.
     """
     places = [("storage.root", config.storage.root, plan.slices_root)]
-    if (shared := os.environ.get(COMPILE_CACHE_ENV)) and config.slice.provider == "local":
+    if (shared := shared_compile_cache(config)) is not None:
         # JAX runs without a cache it cannot create, saying so only in the slice's log.
         places.append((COMPILE_CACHE_ENV, shared, plan.compile_cache_dir))
     if config.metrics.sink == "duckdb":
