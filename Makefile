@@ -57,8 +57,13 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# Test files run TEST_WORKERS at a time (pytest-xdist; a file stays on one worker, so a
+# module's fixtures, such as the deployment tests' Prefect server, start once). Alone, the
+# suite used 1.16 of 2 cores: most of its time is spent waiting on the processes it starts.
+TEST_WORKERS ?= 2
+
 test: lint bq-emulator chromium tcmalloc
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Every benchmark under bench/ (12-20 minutes on 2 cores): bench/results/<date>.json
 # and .md, one row per figure with the two measurements it divides.

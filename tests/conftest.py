@@ -38,7 +38,12 @@ def shared_compile_cache(tmp_path_factory):
     from tasks.plan import COMPILE_CACHE_ENV
 
     before = os.environ.get(COMPILE_CACHE_ENV)
-    os.environ[COMPILE_CACHE_ENV] = str(tmp_path_factory.mktemp("compile_cache"))
+    # Under pytest-xdist every worker has a base directory of its own in one shared parent:
+    # the workers share one cache (JAX writes its entries under a file lock).
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (shared / "compile_cache").mkdir(exist_ok=True)
+    os.environ[COMPILE_CACHE_ENV] = str(shared / "compile_cache")
     yield
     if before is None:
         os.environ.pop(COMPILE_CACHE_ENV, None)
