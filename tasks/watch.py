@@ -109,10 +109,11 @@ def watch_slice(
     settings: WatchSettings,
     log: Callable[[str], None],
     on_heartbeat: Callable[[dict], None] | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     attempt: int | None = None,
     log_path: str | None = None,
+    wall: Callable[[], float] = time.time,
 ) -> TrainOutcome:
     """Wait until the workload on slice `name` exits.
 
@@ -122,14 +123,21 @@ def watch_slice(
     (`tasks.plan.slice_log_path`; default the run directory's `logs/<name>.log`), whose
     last line a failure without an error of its own quotes.
 
+    Silence is timed on `clock`, this process's own (monotonic) clock, from the moment a
+    heartbeat last changed, not from the time written in it: a wall clock stepped by an
+    hour (a VM resumed, NTP correcting a bad boot clock) made a healthy workload look an
+    hour silent, and its slice was deleted. `wall` dates the watch's start for heartbeats
+    that carry no attempt.
+
     Raises:
         WorkloadNeverStarted: the slice stayed READY and its workload never beat.
         WorkloadPreempted: the attempt was lost (see the module docstring).
         WorkloadFailed: the workload exited with an error.
         WatchStopped: `STOPPING` was set.
     """
-    started = clock()
+    started, since = clock(), wall()
     last_step, suspect_since, failing_since, heard = None, None, None, False
+    seen, seen_at = None, started  # this attempt's newest heartbeat, and when it was read
     our_step = None  # this attempt's newest step: its last heartbeat may have none
     quarantined: set[int] = set()  # steps whose quarantine was logged
     while True:
@@ -162,8 +170,10 @@ def watch_slice(
             sleep(settings.poll_s)
             continue
         heartbeat = run_dir.read_status() or {}
-        ours = _ours(heartbeat, attempt, started)
+        ours = _ours(heartbeat, attempt, since)
         heard = heard or ours
+        if ours and heartbeat != seen:
+            seen, seen_at = heartbeat, clock()
         if ours:
             _log_quarantined(heartbeat, quarantined, log)
         # This attempt's step only: a rerun logged the crashed attempt's last heartbeat
@@ -182,7 +192,7 @@ def watch_slice(
             )
         if status.state == SliceState.TERMINATED:
             break
-        silent = clock() - max(heartbeat.get("time", started), started)
+        silent = clock() - seen_at
         if silent <= settings.heartbeat_timeout_s:
             suspect_since = None
         elif suspect_since is None:
@@ -201,7 +211,7 @@ def watch_slice(
             )
         sleep(settings.poll_s)
     final = run_dir.read_status() or {}
-    if not _ours(final, attempt, started):
+    if not _ours(final, attempt, since):
         # An older attempt's heartbeat, its error included: this attempt's workload died
         # before it wrote one (a full disk), and that error was reported as this one's.
         final = {}
@@ -212,8 +222,8 @@ def watch_slice(
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
     elif status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None):
-        error = _with_host_errors(final.get("error"), run_dir, attempt, started)
-        if status.host and status.host not in _host_records(run_dir, attempt, started):
+        error = _with_host_errors(final.get("error"), run_dir, attempt, since)
+        if status.host and status.host not in _host_records(run_dir, attempt, since):
             # Another host's exit ended the slice without its own record (a signal), and
             # host 0's error (a collective's "Connection reset by peer") or log line is what
             # that did to it: that host's log says more (the workload's faulthandler).
