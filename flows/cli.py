@@ -14,7 +14,7 @@ import os
 import sys
 
 from flows import report_cli, shard_cli
-from flows.cli_options import add_overrides, readers_may_leave
+from flows.cli_options import add_overrides, readers_may_leave, standard_streams_open
 from flows.local_run import SIGNAL_EXITS, exit_on_signals, orchestrate_here, quiet_interrupt
 from workloads.config_file import ConfigError, load_config
 
@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tpupipe` command; returns the process exit code."""
+    standard_streams_open()
     args = _parser().parse_args(argv)
     exit_on_signals()
     with readers_may_leave():

@@ -31,6 +31,25 @@ def _to_devnull(stream: Any) -> None:
         os.close(devnull)
 
 
+def standard_streams_open() -> None:
+    """Open /dev/null on whichever of fd 0-2 the caller closed (`tpupipe run >&-`).
+
+    Why: Python then sets `sys.stdout` to None, and the command's first write ended it
+    with a traceback and exit 120, after a run that completed and landed. And the next
+    file the process opened would have taken fd 1, where its children's output goes.
+    """
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, buffering=1, closefd=False))  # noqa: SIM115
+
+
 class _Unbroken:
     """A stream whose broken pipe ends its output, not the program (see
     `readers_may_leave`)."""
