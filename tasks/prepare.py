@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -12,16 +11,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
-from infra.metrics.duckdb_file import database_file_problem
 from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
-from tasks.plan import (
-    COMPILE_CACHE_ENV,
-    RunPlan,
-    plan_run,
-    shared_compile_cache,
-    write_workload_config,
-)
+from tasks.local_places import check_local_paths
+from tasks.plan import RunPlan, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
 from tasks.rerun import check_resumable
@@ -158,35 +151,6 @@ def _resolve(dataset, out_root: str, remote: bool) -> tuple[list, str | None]:
     return files, None
 
 
-def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
-    """The local directories a run creates can be created, and the DuckDB file is a file
-    DuckDB can open (or is not there yet).
-
-    Each of these passed validation and failed the run later: a storage root below a
-    regular file or in a directory this user cannot write at its lock (exit 1), a storage
-    root that is a symlink to a missing target (an unmounted disk) with a bare "File
-    exists", and a `metrics.path` naming a directory or a file that is not a DuckDB
-    database (a 0-byte stub a create on a full disk left) only when landing, after the
-    whole training run.
-
-    Raises:
-        ConfigError: naming the field, its value and the path in the way.
-    """
-    places = [("storage.root", config.storage.root, plan.slices_root)]
-    if (shared := shared_compile_cache(config)) is not None:
-        # JAX runs without a cache it cannot create, saying so only in the slice's log.
-        places.append((COMPILE_CACHE_ENV, shared, plan.compile_cache_dir))
-    if config.metrics.sink == "duckdb":
-        _check_metrics_file(config.metrics.path or plan.metrics_path, plan.metrics_path)
-        field = "metrics.path" if config.metrics.path else "storage.root"
-        value = config.metrics.path or config.storage.root
-        places.append((field, value, os.path.dirname(plan.metrics_path)))
-    for field, value, path in places:
-        problem = _cannot_create(path)
-        if problem:
-            raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
-
-
 def check_memory(config: PipelineConfig, host_bytes: int | None) -> None:
     """The model's training state fits the slice's devices (`workloads.config_memory`).
 
@@ -201,54 +165,6 @@ def check_memory(config: PipelineConfig, host_bytes: int | None) -> None:
     problems = memory_problems(config, host_bytes)
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-def _check_metrics_file(value: str, path: str) -> None:
-    """Refuse an existing `metrics.path` (`value`, at absolute `path`) DuckDB cannot use."""
-    if os.path.isdir(path):
-        raise ConfigError(
-            f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
-            "e.g. <dir>/metrics.duckdb"
-        )
-    if dangling := _dangling_link(path):
-        problem = f"it {dangling}"
-    elif os.path.exists(path):
-        problem = database_file_problem(path)
-    else:
-        return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
-    if problem:
-        raise ConfigError(
-            f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"
-        )
-
-
-def _dangling_link(path: str) -> str | None:
-    """ "is a symlink to <target>, which does not exist: ..." if `path` is one, else None."""
-    if not os.path.islink(path) or os.path.exists(path):
-        return None
-    target = os.readlink(path)
-    return f"is a symlink to {target}, which does not exist: is its disk mounted?"
-
-
-def _cannot_create(path: str) -> str | None:
-    """Why the directory `path` cannot be created (or used, if it exists), or None."""
-    existing = path
-    # lexists, not exists: a symlink to a missing target (an unmounted disk) is in the way
-    # of creating the directory, where exists() walked past it to its writable parent.
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if dangling := _dangling_link(existing):
-        return f"{existing} {dangling}"
-    if not os.path.isdir(existing):
-        return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
-        with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
-            pass
-    except OSError as exc:
-        return f"nothing can be written in {existing}: {exc.strerror or exc}"
-    return None
 
 
 @task(name="validate-config", cache_policy=NONE)

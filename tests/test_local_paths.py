@@ -137,3 +137,26 @@ def test_local_runs_share_the_compilation_cache_tpupipe_compile_cache_names(
         assert said in capsys.readouterr().err
     # Deleting slices needs no cache: the reaper's plan of a run is made all the same.
     assert plan_run(tiny_config(tmp_path)).compile_cache_dir == str(shared / "sub")
+
+
+@pytest.mark.parametrize(
+    "root, said",
+    [
+        ("x" * 300, "is 300 bytes long, over this file system's limit of 255 (NAME_MAX)"),
+        ("/".join(["y" * 200] * 19), "bytes longer beneath it (checkpoints): over this system's"),
+    ],
+    ids=["a-part-over-name-max", "near-path-max"],
+)
+def test_a_storage_root_too_long_for_what_a_run_writes_is_refused(tmp_path, capsys, root, said):
+    # Near PATH_MAX, the root passed validation and the run failed at its first checkpoint
+    # save, its slice provisioned and its steps trained; a part over NAME_MAX passed
+    # `tpupipe validate` as valid and then ended it with a traceback.
+    root = tmp_path / root
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "storage.root = " in err and said in err, err
+    assert "…" in err.splitlines()[1]  # the value is shortened, not quoted whole
+    assert list(tmp_path.iterdir()) == []  # nothing made
+    config = tiny_config(tmp_path / "ok", "dataset.max_bytes=20000")
+    check_local_paths(config, plan_run(config))  # a root of an ordinary length passes

@@ -1,0 +1,138 @@
+"""The local places a run creates, checked before anything is spent (`check_local_paths`)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from infra.metrics.duckdb_file import database_file_problem
+from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
+from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
+
+# The deepest path a run writes beneath its run directory is a checkpoint's file in orbax's
+# temporary directories, e.g. checkpoints/<step>.orbax-checkpoint-tmp-<16 digits>/state.orbax-
+# checkpoint-tmp-<16 digits>/ocdbt.process_0/d/<32 hex digits> (~160 bytes), or a parameter's
+# own directory with the zarr driver; JAX's cache entries are `<name>-<64 hex digits>-atime`.
+BENEATH_BYTES = 256
+
+
+def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
+    """The local directories a run creates can be created, and the DuckDB file is a file
+    DuckDB can open (or is not there yet).
+
+    Each of these passed validation and failed the run later: a storage root below a
+    regular file or in a directory this user cannot write at its lock (exit 1), a storage
+    root that is a symlink to a missing target (an unmounted disk) with a bare "File
+    exists", and a `metrics.path` naming a directory or a file that is not a DuckDB
+    database (a 0-byte stub a create on a full disk left) only when landing, after the
+    whole training run.
+
+    Raises:
+        ConfigError: naming the field, its value and the path in the way.
+    """
+    places = [("storage.root", config.storage.root, plan.slices_root)]
+    if (shared := shared_compile_cache(config)) is not None:
+        # JAX runs without a cache it cannot create, saying so only in the slice's log.
+        places.append((COMPILE_CACHE_ENV, shared, plan.compile_cache_dir))
+    if config.metrics.sink == "duckdb":
+        _check_metrics_file(config.metrics.path or plan.metrics_path, plan.metrics_path)
+        field = "metrics.path" if config.metrics.path else "storage.root"
+        value = config.metrics.path or config.storage.root
+        places.append((field, value, os.path.dirname(plan.metrics_path)))
+    if "://" not in plan.run_dir:  # the deepest directory a local run makes
+        places.append(("storage.root", config.storage.root, plan.run_dir))
+    for field, value, path in places:
+        if problem := _too_long(path):
+            raise ConfigError(f"{field} = {_shown(value)}: {problem}")
+        if problem := _cannot_create(path):
+            raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
+
+
+def _check_metrics_file(value: str, path: str) -> None:
+    """Refuse an existing `metrics.path` (`value`, at absolute `path`) DuckDB cannot use."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
+            "e.g. <dir>/metrics.duckdb"
+        )
+    if dangling := _dangling_link(path):
+        problem = f"it {dangling}"
+    elif os.path.exists(path):
+        problem = database_file_problem(path)
+    else:
+        return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
+    if problem:
+        raise ConfigError(
+            f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"
+        )
+
+
+def _dangling_link(path: str) -> str | None:
+    """ "is a symlink to <target>, which does not exist: ..." if `path` is one, else None."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    target = os.readlink(path)
+    return f"is a symlink to {target}, which does not exist: is its disk mounted?"
+
+
+def _cannot_create(path: str) -> str | None:
+    """Why the directory `path` cannot be created (or used, if it exists), or None."""
+    existing = path
+    # lexists, not exists: a symlink to a missing target (an unmounted disk) is in the way
+    # of creating the directory, where exists() walked past it to its writable parent.
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if dangling := _dangling_link(existing):
+        return f"{existing} {dangling}"
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
+        with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
+            pass
+    except OSError as exc:
+        return f"nothing can be written in {existing}: {exc.strerror or exc}"
+    return None
+
+
+def _too_long(path: str) -> str | None:
+    """Why `path`, or what a run writes beneath it, is a name too long for this system.
+
+    Why: a storage root of 3,978 bytes passed validation, and the run failed at its first
+    checkpoint save ("File name too long"), its slice and steps spent; a part over 255
+    bytes passed `tpupipe validate` as valid, then ended it with a traceback.
+    """
+    existing = path
+    while not os.path.isdir(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    name_max, path_max = _limit(existing, "PC_NAME_MAX", 255), _limit(existing, "PC_PATH_MAX", 4096)
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            return (
+                f"{path}: a part of it, {_shown(part)}, is {len(os.fsencode(part))} bytes long, "
+                f"over this file system's limit of {name_max} (NAME_MAX)"
+            )
+    length = len(os.fsencode(path))
+    if length + BENEATH_BYTES >= path_max:
+        return (
+            f"{path} is {length} bytes long, and a run writes paths up to {BENEATH_BYTES} "
+            f"bytes longer beneath it (checkpoints): over this system's limit of {path_max} "
+            "(PATH_MAX)"
+        )
+    return None
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
+def _shown(value: str, keep: int = 60) -> str:
+    """`value` quoted, its middle elided when long: a limit's message names it, not all of it."""
+    if len(value) <= keep:
+        return repr(value)
+    return repr(f"{value[: keep - 20]}…{value[-20:]}")
