@@ -388,6 +388,8 @@ def test_workload_error_fails_fast_with_its_message(tmp_path, prefect_harness, c
     assert cli_main([*args, "--set", "train.warmup_steps=0"]) == 1
     err = capsys.readouterr().err
     assert "pipeline failed: WorkloadFailed:" in err and "not finite" in err
+    # "lower train.learning_rate" alone sent users to a rerun that refuses a changed config.
+    assert "a lower train.learning_rate or other data needs a new run_name" in err
     # It comes back on a rerun as it is: "run it again" alone sent users round that loop.
     assert err.rstrip().endswith("run it again to resume it once its cause is dealt with)")
     assert _slices_left(tmp_path) == []

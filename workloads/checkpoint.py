@@ -42,7 +42,7 @@ from workloads.ckpt_restore import (  # noqa: F401  (re-exported: the checkpoint
     unreadable,
 )
 from workloads.ckpt_restore import pure_dicts as _pure  # the name save and tests use
-from workloads.step_metrics import NonFiniteError
+from workloads.step_metrics import NON_FINITE_HINT, NonFiniteError
 
 
 class CheckpointError(RuntimeError):
@@ -89,7 +89,7 @@ def _refuse_non_finite(step: int, scanned: list) -> None:
     if problem:
         raise NonFiniteError(
             f"step {step}: after the update, {problem}; stopping without saving this state "
-            "(lower train.learning_rate)"
+            f"({NON_FINITE_HINT})"
         )
 
 

@@ -17,6 +17,14 @@ import optax
 MAX_STEPS_AHEAD = 2
 
 
+# What to do about it. A rerun must keep the run's training config (`tasks.rerun`): "lower
+# train.learning_rate" alone sent users to a rerun that was refused.
+NON_FINITE_HINT = (
+    "a rerun resumes from the last checkpoint, which helps only if the cause was transient; "
+    "a lower train.learning_rate or other data needs a new run_name"
+)
+
+
 class NonFiniteError(RuntimeError):
     """Loss or gradient norm became NaN/Inf: the run stops and nothing bad is saved.
 
@@ -75,7 +83,7 @@ class MetricsWindow:
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(
                     f"step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopping "
-                    "without saving this state (lower train.learning_rate or check the data)",
+                    f"without saving this state ({NON_FINITE_HINT})",
                     rows,
                 )
         return rows
