@@ -168,7 +168,12 @@ def _wait_until_up(server: subprocess.Popen, url: str, timeout_s: float, errors)
     errors.seek(0)
     tail = errors.read().decode("utf-8", "replace")[-2000:]
     how = f"exited with code {server.poll()}" if server.poll() is not None else "never answered"
+    from prefect.settings import get_current_settings
+
+    # Its database is under PREFECT_HOME (~/.prefect): an unwritable HOME failed here with
+    # SQLite's "unable to open database file" and no word of where.
     raise RuntimeError(
-        f"the temporary Prefect API server on {url} {how} within {timeout_s:.0f}s "
-        f"(set PREFECT_API_URL to use a running server instead): {tail}"
+        f"the temporary Prefect API server on {url} {how} within {timeout_s:.0f}s (its "
+        f"database is under PREFECT_HOME = {get_current_settings().home}: set PREFECT_HOME "
+        f"to a writable directory, or PREFECT_API_URL to use a running server): {tail}"
     )
