@@ -300,3 +300,43 @@ def test_a_local_compilation_cache_keeps_within_storage_compile_cache_gb(tmp_pat
     assert sum(p.stat().st_size for p in entries) <= 80_000  # 0.00008 GB
     assert len(entries) > 20  # the new programs kept, the oldest entry deleted first
     assert not (tmp_path / "from-before-cache").exists()
+
+
+MIXED_BOUNDS = """
+import subprocess, sys, jax, numpy as np
+from workloads.compile_cache import configure_compile_cache
+cache, gb, first, *alongside = sys.argv[1:]
+configure_compile_cache(cache, None if gb == "null" else float(gb))
+if alongside:  # another run writes to the cache after this one has started
+    subprocess.run([sys.executable, __file__, cache, *alongside], check=True)
+for k in range(int(first), int(first) + 5):
+    jax.jit(lambda x, k=k: x * k + 1)(np.arange(7.0)).block_until_ready()
+"""
+
+
+def test_runs_with_and_without_a_bound_share_a_compilation_cache(tmp_path):
+    # A run with no bound wrote entries without `-atime` files (JAX's -1 turns its LRU
+    # off), and a bounded run at the same time on the same cache (TPUPIPE_COMPILE_CACHE, or
+    # one storage root) failed every write: its eviction reads every entry's `-atime`.
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    script, cache = tmp_path / "writer.py", tmp_path / "cache"
+    script.write_text(MIXED_BOUNDS)
+    # The bounded run starts (its repair of the cache done), then the unbounded one writes.
+    out = subprocess.run(
+        [sys.executable, "-W", "always", script, cache, "20", "0", "null", "100"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Error writing persistent compilation cache" not in out.stderr
+    entries = sorted(p.name.removesuffix("-cache") for p in cache.glob("*-cache"))
+    assert len(entries) == 10  # the five programs of each run
+    assert sorted(p.name.removesuffix("-atime") for p in cache.glob("*-atime")) == entries

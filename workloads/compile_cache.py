@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import zlib
 
 import filelock
@@ -24,18 +25,25 @@ def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) 
     programs first (JAX's own LRU, under a file lock every process of a slice shares).
     Every run of another model, batch, mesh or dtype compiles its own step (the learning
     rate's schedule is an argument of it, `workloads.trainer.LRSchedule`), so a storage
-    root used nightly and by sweeps grew its cache without end. A `gs://` cache is left
-    unbounded here: JAX would lock it with a lock object that a killed worker leaves
-    behind; a bucket lifecycle rule bounds it.
+    root used nightly and by sweeps grew its cache without end. The bound is the
+    directory's: of the runs writing to one cache, the smallest bound governs. A `gs://`
+    cache is left unbounded here: JAX would lock it with a lock object that a killed worker
+    leaves behind; a bucket lifecycle rule bounds it.
     """
     if not cache_dir:
         return
-    bounded = max_gb is not None and "://" not in cache_dir
+    local = "://" not in cache_dir
     repair_cache_entries(cache_dir)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 1e9) if bounded else -1)
+    # No bound (None) on a local cache is a bound no disk reaches, not JAX's -1: with -1
+    # JAX takes no lock and writes no `-atime` files, and a bounded run's eviction, which
+    # reads every entry's `-atime`, then failed every write to a cache the two shared.
+    # It costs what any bound does: each read takes the lock and stamps an `-atime`, each
+    # write lists every entry under it (JAX's `LRUCache`).
+    max_bytes = sys.maxsize if max_gb is None else int(max_gb * 1e9)
+    jax.config.update("jax_compilation_cache_max_size", max_bytes if local else -1)
 
 
 def repair_cache_entries(cache_dir: str) -> None:
@@ -47,8 +55,9 @@ def repair_cache_entries(cache_dir: str) -> None:
     run, of any run name, warn "truncated stream" and compile that program again, for good.
     JAX writes an entry's `-atime` file only after the entry itself, so only entries
     without one are read here, once each. Its eviction (`storage.compile_cache_gb`) reads
-    every entry's `-atime`, and an entry written while eviction was off had none, so every
-    later write to the cache failed. (A GCS object is written whole or not at all.)
+    every entry's `-atime`, and an entry written while eviction was off (by an earlier
+    tpupipe, given no bound) had none, so every later write to the cache failed. (A GCS
+    object is written whole or not at all.)
 
     Runs under JAX's own lock of the cache: a write under way is never taken for a cut one.
     """
