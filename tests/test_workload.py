@@ -340,3 +340,40 @@ def test_runs_with_and_without_a_bound_share_a_compilation_cache(tmp_path):
     entries = sorted(p.name.removesuffix("-cache") for p in cache.glob("*-cache"))
     assert len(entries) == 10  # the five programs of each run
     assert sorted(p.name.removesuffix("-atime") for p in cache.glob("*-atime")) == entries
+
+
+COUNT_HITS = """
+import sys, jax, numpy as np
+from workloads.compile_cache import configure_compile_cache
+from workloads.perf import CompileCounter
+compiles = CompileCounter()
+configure_compile_cache(sys.argv[1], 20.0)
+for k in range(3):
+    jax.jit(lambda x, k=k: x * k + 1)(np.arange(7.0)).block_until_ready()
+print(compiles.hits, compiles.misses)
+"""
+
+
+def test_a_compilation_cache_copied_elsewhere_keeps_its_programs(tmp_path):
+    # JAX put a path beneath the cache directory (its GPU autotuning cache) into every
+    # key: a warm cache copied or moved (with its storage root) missed every program.
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    def hits_and_misses(cache):
+        out = subprocess.run(
+            [sys.executable, "-c", COUNT_HITS, str(cache)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return tuple(int(n) for n in out.stdout.split())
+
+    assert hits_and_misses(tmp_path / "a") == (0, 3)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert hits_and_misses(tmp_path / "b") == (3, 0)
