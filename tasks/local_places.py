@@ -9,6 +9,7 @@ from infra.metrics.duckdb_file import database_file_problem
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
+from workloads.config_infra import place_problem
 
 # The deepest path a run writes beneath its run directory is a checkpoint's file in orbax's
 # temporary directories, e.g. checkpoints/<step>.orbax-checkpoint-tmp-<16 digits>/state.orbax-
@@ -18,8 +19,9 @@ BENEATH_BYTES = 256
 
 
 def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
-    """The local directories a run creates can be created, and the DuckDB file is a file
-    DuckDB can open (or is not there yet).
+    """The local directories a run creates can be created (TPUPIPE_COMPILE_CACHE, when it
+    applies, is checked as a local storage.root is: no `~`, URI or blank value), and the
+    DuckDB file is a file DuckDB can open (or is not there yet).
 
     Each of these passed validation and failed the run later: a storage root below a
     regular file or in a directory this user cannot write at its lock (exit 1), a storage
@@ -29,10 +31,14 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
     whole training run.
 
     Raises:
-        ConfigError: naming the field, its value and the path in the way.
+        ConfigError: naming the field (or variable), its value and the path in the way.
     """
     places = [("storage.root", config.storage.root, plan.slices_root)]
     if (shared := shared_compile_cache(config)) is not None:
+        # The checks of a local storage.root: `~/x` became <cwd>/~/x and `gs://b/x` the
+        # local directory <cwd>/gs:/b/x, each a cold cache no other run shared.
+        if (problem := place_problem(shared, COMPILE_CACHE_ENV, local_only=True)) is not None:
+            raise ConfigError(problem)
         # JAX runs without a cache it cannot create, saying so only in the slice's log.
         places.append((COMPILE_CACHE_ENV, shared, plan.compile_cache_dir))
     if config.metrics.sink == "duckdb":

@@ -160,3 +160,35 @@ def test_a_storage_root_too_long_for_what_a_run_writes_is_refused(tmp_path, caps
     assert list(tmp_path.iterdir()) == []  # nothing made
     config = tiny_config(tmp_path / "ok", "dataset.max_bytes=20000")
     check_local_paths(config, plan_run(config))  # a root of an ordinary length passes
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("~/tpupipe-cc", "starts with ~, which is not expanded here"),
+        ("gs://bkt/cc", "is not a directory on this machine: give a directory"),
+        ("  ", "TPUPIPE_COMPILE_CACHE is empty: give a directory"),
+    ],
+    ids=["tilde", "gs", "blank"],
+)
+def test_a_tpupipe_compile_cache_storage_root_would_refuse_is_refused(
+    tmp_path, monkeypatch, capsys, value, said
+):
+    # Each became an odd local directory, a cold cache no other run shared: `~/x` was
+    # <cwd>/~/x, `gs://bkt/cc` was <cwd>/gs:/bkt/cc, and a blank value <cwd>/"  ".
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", value)
+    assert cli_main(["validate", "--config", TINY, "--set", f"storage.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and (value.strip() == "" or f"TPUPIPE_COMPILE_CACHE {value!r}" in err)
+    assert list(tmp_path.iterdir()) == []  # nothing made
+
+
+def test_tpupipe_run_refuses_a_compile_cache_in_gcs_before_it_starts(
+    tmp_path, monkeypatch, capsys, prefect_harness
+):
+    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", "gs://bkt/cc")
+    args = ["run", "--config", TINY, "--set", f"storage.root={tmp_path}", "--set", "run_name=r"]
+    assert cli_main(args) == 2
+    assert "TPUPIPE_COMPILE_CACHE 'gs://bkt/cc' is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "r" / "events.jsonl").exists()  # nothing provisioned

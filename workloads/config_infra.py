@@ -52,17 +52,21 @@ class StorageConfig(_Strict):
         return value
 
 
-def place_problem(value: str, name: str) -> str | None:
+def place_problem(value: str, name: str, local_only: bool = False) -> str | None:
     """What is wrong with `value`, given as `name`, as a place for runs or datasets (a local
-    directory or gs://bucket/prefix), or None.
+    directory or gs://bucket/prefix; with `local_only`, a local directory), or None.
 
     Anything but gs:// is a local path, so these became odd local directories: `s3://b/x`
     was ./s3:/b/x, `~/x` was ./~/x (nothing expands ~) and an empty value was the working
     directory, where a run then wrote its checkpoints (and `tpupipe shard --out "$UNSET"`
-    its dataset) silently.
+    its dataset) silently. Where only a local directory will do (TPUPIPE_COMPILE_CACHE), a
+    `gs://` value became the local directory ./gs:/bucket/prefix the same way.
     """
+    wanted = "a directory" if local_only else "a directory or gs://bucket/prefix"
     if not value.strip():
-        return f"{name} is empty: give a directory or gs://bucket/prefix"
+        return f"{name} is empty: give {wanted}"
+    if local_only and "://" in value:
+        return f"{name} {value!r} is not a directory on this machine: give {wanted}"
     if value.startswith("gs://") and not value[5:].split("/", 1)[0]:
         return f"{name} {value!r} names no bucket"
     if (problem := gs_place_problem(value)) is not None:
