@@ -40,8 +40,10 @@ class StorageConfig(_Strict):
         gt=0,
         description="Most the JAX compilation cache of a local storage root (its "
         "compile_cache/, shared by every run there) may hold, in GB: past it the least "
-        "recently used programs are deleted. None: no limit. A gs:// root's cache is "
-        "bounded by a bucket lifecycle rule instead (docs/gcp.md).",
+        "recently used programs are deleted. None: no limit. The bound is the directory's: "
+        "every run writing to it (TPUPIPE_COMPILE_CACHE: every local run) evicts down to its "
+        "own, so the smallest governs. A gs:// root's cache is bounded by a bucket lifecycle "
+        "rule instead (docs/gcp.md).",
     )
 
     @field_validator("root")
