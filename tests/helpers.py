@@ -201,3 +201,20 @@ def eight_then_four(root: Path, table_file: Path) -> tuple[PipelineConfig, Pipel
         "cost.usd_per_chip_hour=3.0",
     )
     return eight, four
+
+
+class FakeClock:
+    """A clock for `tasks.watch.watch_slice` that moves only when the watch sleeps.
+
+    `limit`: a time past which a sleep fails the test (a watch that never ends)."""
+
+    def __init__(self, start: float = 1000.0, limit: float | None = None) -> None:
+        self.now, self.limit = start, limit
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.limit is not None and self.now > self.limit:
+            raise AssertionError("still watching after a day of polls")

@@ -12,22 +12,10 @@ import pytest
 
 from infra.slices import SliceState, SliceStatus
 from tasks.watch import WatchSettings, WorkloadPreempted, watch_slice
+from tests.helpers import FakeClock
 
 STEP_S = 3600.0  # the wall clock's step, at 1100 s on the watch's own clock
 SETTINGS = WatchSettings(poll_s=10, heartbeat_timeout_s=60, confirm_s=1)
-
-
-class Clock:
-    """The watch's monotonic clock; `sleep` moves it on."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Machine:
@@ -35,7 +23,7 @@ class Machine:
     at 1100; the workload beats every poll but is silent in [silent_from, silent_to)."""
 
     def __init__(self, step_s: float, silent_from: float, silent_to: float, ends_at: float):
-        self.clock, self.step_s = Clock(), step_s
+        self.clock, self.step_s = FakeClock(), step_s
         self.silent_from, self.silent_to, self.ends_at = silent_from, silent_to, ends_at
         self.last: dict | None = None
 

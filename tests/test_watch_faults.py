@@ -10,6 +10,7 @@ import pytest
 from infra.slices import SliceError, SliceState, SliceStatus
 from infra.slices.gcp_api import TpuPermissionError
 from tasks.watch import WatchSettings, watch_slice
+from tests.helpers import FakeClock
 
 
 class RunDirStub:
@@ -18,19 +19,6 @@ class RunDirStub:
 
     def host_failures(self) -> dict:
         return {}  # no host but 0 recorded a failure
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        if self.now > 1e5:
-            raise AssertionError("still watching after a day of polls")
 
 
 class Provider:
@@ -46,7 +34,7 @@ class Provider:
 
 
 def watch(provider: Provider) -> object:
-    clock = Clock()
+    clock = FakeClock(0.0, limit=1e5)
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=60)
     return watch_slice(
         provider, "s", RunDirStub(), settings, lambda m: None, None, clock, clock.sleep
@@ -75,7 +63,7 @@ def test_an_untyped_status_error_that_lasts_ends_the_watch_naming_it():
 
 def test_a_read_that_recovers_starts_the_count_again():
     """Failures with a good read between them never add up to the limit."""
-    clock = Clock()
+    clock = FakeClock(0.0, limit=1e5)
 
     class Beating:  # the workload's heartbeat stays fresh throughout
         def read_status(self) -> dict:

@@ -21,18 +21,7 @@ from tasks.watch import (
     WorkloadPreempted,
     watch_slice,
 )
-from tests.helpers import tiny_config
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.helpers import FakeClock, tiny_config
 
 
 class Ready:
@@ -54,7 +43,7 @@ class Heartbeats:
 
 
 def watch(beats, attempt: int | None = 2, timeout_s: float = 600):
-    clock = Clock()
+    clock = FakeClock()
     run_dir = Heartbeats(beats)
     run_dir.clock = clock
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=timeout_s, confirm_s=30)
@@ -127,7 +116,7 @@ def test_an_attempt_whose_workload_never_starts_is_retried_on_the_failure_budget
 def test_checkpoints_the_workload_quarantined_are_logged_once_each():
     # A resume that quarantined a damaged checkpoint said so only in the slice's log and
     # QUARANTINED.txt: the console showed a resume from an older step without a reason.
-    clock, lines = Clock(), []
+    clock, lines = FakeClock(), []
     bad = [{"step": 30, "reason": "does not restore: ValueError: cut"}]
 
     def beats(now):
@@ -166,7 +155,7 @@ class ExitsWith:
 
 
 def _failed_watch(tmp_path, heartbeat: dict | None, log_text: str | None):
-    clock = Clock()
+    clock = FakeClock()
     run_dir = Heartbeats(lambda now: heartbeat)
     run_dir.clock, run_dir.path = clock, tmp_path
     if log_text is not None:
@@ -248,7 +237,7 @@ def test_this_attempts_error_is_reported_and_without_one_or_a_log_the_log_is_nam
 
 def test_a_workload_that_lost_its_lease_says_another_orchestrator_runs_the_run(tmp_path):
     # It read "exited with code 76: see the slice log".
-    clock = Clock()
+    clock = FakeClock()
     run_dir = Heartbeats(lambda now: {"phase": "training", "attempt": 2, "time": now})
     run_dir.clock, run_dir.path = clock, tmp_path
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
@@ -273,7 +262,7 @@ def test_a_local_slice_of_a_gs_root_logs_on_this_machine_and_its_last_line_is_qu
 
     Path(path).parent.mkdir(parents=True)
     Path(path).write_text("Traceback (most recent call last):\nOSError: [Errno 28] No space\n")
-    clock = Clock()
+    clock = FakeClock()
     run_dir = Heartbeats(lambda now: None)
     run_dir.clock, run_dir.path = clock, "gs://bucket/root/runs/r"
     settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
@@ -288,7 +277,7 @@ def test_an_earlier_attempts_heartbeat_is_not_logged_as_this_ones_progress():
     # A rerun logged the crashed attempt's last beat ("step 75 loss 2.76 (training)")
     # before its own workload restored step 50.
     logged = []
-    clock = Clock()
+    clock = FakeClock()
     run_dir = Heartbeats(
         lambda now: (
             {"phase": "training", "attempt": 1, "time": 990.0, "step": 75, "loss": 2.76}
