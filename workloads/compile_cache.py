@@ -44,11 +44,6 @@ def configure_compile_cache(cache_dir: str | None, max_gb: float | None = None) 
     # write lists every entry under it (JAX's `LRUCache`).
     max_bytes = sys.maxsize if max_gb is None else int(max_gb * 1e9)
     jax.config.update("jax_compilation_cache_max_size", max_bytes if local else -1)
-    # JAX puts `<cache_dir>/xla_gpu_per_fusion_autotune_cache_dir` (its default here) into
-    # the compile options it hashes into every key, so a cache copied or moved elsewhere
-    # (a moved storage root, a copy of a warm cache) missed every program. It sets only
-    # `xla_gpu_*` options, which XLA's GPU compiler alone reads: TPU and CPU lose nothing.
-    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
 def repair_cache_entries(cache_dir: str) -> None:
