@@ -46,8 +46,10 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
         field = "metrics.path" if config.metrics.path else "storage.root"
         value = config.metrics.path or config.storage.root
         places.append((field, value, os.path.dirname(plan.metrics_path)))
-    if "://" not in plan.run_dir:  # the deepest directory a local run makes
-        places.append(("storage.root", config.storage.root, plan.run_dir))
+    # The deepest directory a local run makes: its length only, as its root was checked
+    # above (a second file created there would tell nothing new).
+    if "://" not in plan.run_dir and (problem := _too_long(plan.run_dir)):
+        raise ConfigError(f"storage.root = {_shown(config.storage.root)}: {problem}")
     for field, value, path in places:
         if problem := _too_long(path):
             raise ConfigError(f"{field} = {_shown(value)}: {problem}")
