@@ -231,6 +231,29 @@ def test_the_forkserver_preloads_the_module_run_with_python_m_only():
     assert forkserver_preload(main(None)) == list(PRELOAD)  # a script
 
 
+def test_what_sharding_and_its_forkserver_import_leaves_out_grain_and_jax():
+    # Sharding reads no shard through grain; its import of grain (and jax) had cost every
+    # `tpupipe shard`, and the forkserver every worker pool first started in a process,
+    # 0.6 s: a 2-worker run of the stdlib corpus took 0.9-1.3 s against 0.25 s after it.
+    import subprocess
+    import sys
+
+    from workloads.pool_processes import PRELOAD
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import importlib, sys\n"
+        f"for name in {list(PRELOAD)!r}: importlib.import_module(name)\n"
+        "print(sorted(m for m in ('grain', 'jax', 'flax', 'optax') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
 # A pool's processes and the signals a terminal sends its whole process group.
 POOL_SIGNALS = """
 import json, os, signal, sys, time

@@ -11,7 +11,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import grain
 import numpy as np
 
 from workloads.dataset_cache import local_dataset
@@ -98,6 +97,11 @@ def _open_shards(paths: list[str]) -> Any:
     """The shards as one grain source; a shard ArrayRecord cannot open (truncated, not an
     ArrayRecord file) is named, where its error was a bare RuntimeError ('' or a Riegeli
     byte offset) that left a user of 64 shards guessing which to replace."""
+    # Imported here, not at the top: grain imports jax (0.6 s), and sharding, which
+    # imports this module for `counts_problem`, needs neither, nor do the workers forked
+    # from its forkserver, whose preload was that much slower to come up.
+    import grain
+
     try:
         return grain.sources.ArrayRecordDataSource(paths)
     except RuntimeError as exc:
