@@ -169,13 +169,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from workloads.shard_pool import WorkerDied
 
-    # Imports Prefect (~2 s): only when there is work to do. Signals wait for the import:
-    # it runs pydantic serializers, which turn a KeyboardInterrupt or SystemExit raised in
-    # them into a PydanticSerializationError (a traceback, exit 1), and a SystemExit in
-    # duckdb's module init aborted the interpreter (SIGABRT).
+    # Imported only when there is work to do. Signals wait for the import: pydantic
+    # serializers run in it turn a KeyboardInterrupt or SystemExit into a
+    # PydanticSerializationError (a traceback, exit 1), and a SystemExit in a C
+    # extension's module init (duckdb's, when this imported Prefect) aborted the
+    # interpreter (SIGABRT).
     with _signals_deferred():
         from infra.gcp.clients import CredentialsError
-        from tasks.prepare import shard_corpus
+        from tasks.corpus import shard_corpus
         from tasks.remote import out_bucket, publish_shards
 
     out_root, bucket = args.out, None

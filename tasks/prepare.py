@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -13,6 +12,7 @@ from prefect.cache_policies import NONE
 
 from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
+from tasks.corpus import shard_corpus
 from tasks.local_places import check_local_paths
 from tasks.plan import RunPlan, plan_run, write_workload_config
 from tasks.pricing import price_for
@@ -20,7 +20,7 @@ from tasks.remote import check_gcs_places, publish_dataset
 from tasks.rerun import check_resumable
 from tasks.run_owner import check_run_owner
 from workloads import data
-from workloads.config import DatasetConfig, PipelineConfig
+from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.config_memory import eval_memory_problem, host_memory_bytes, memory_problems
 from workloads.data import DatasetError
@@ -43,29 +43,6 @@ __all__ = [
 
 # Share of the progress bar each sharding stage fills (writing shards is the slower part).
 STAGE_SPAN = {"tokenize": (0.0, 40.0), "write": (40.0, 100.0)}
-
-
-def shard_corpus(
-    cfg: DatasetConfig,
-    out_root: str | os.PathLike,
-    progress: data.Progress | None = None,
-    gcs_client: Callable[[], Any] | None = None,
-) -> data.ShardResult:
-    """Shard (or find) the dataset, reading `gs://` sources through `infra.storage`.
-
-    A plain function, so `tpupipe shard` runs the same code as the task without Prefect.
-
-    Args:
-        cfg: The dataset options.
-        out_root: The datasets directory (the dataset lands in `out_root/<fingerprint>/`).
-        progress: `progress(stage, done, total)`, see `workloads.data.shard_dataset`.
-        gcs_client: Builds the Cloud Storage client (default: ADC or the emulator).
-
-    Raises:
-        DatasetError: naming the source, line, row or option at fault.
-    """
-    store = source_storage(cfg.sources, gcs_client)
-    return data.shard_dataset(cfg, out_root, progress=progress, store=store)
 
 
 class ArtifactProgress:

@@ -29,10 +29,10 @@ STALLED_SHARD = """
 import sys, time
 from pathlib import Path
 
-import tasks.prepare
+import tasks.corpus
 from flows.cli import main
 
-real, marker = tasks.prepare.shard_corpus, Path(sys.argv[1])
+real, marker = tasks.corpus.shard_corpus, Path(sys.argv[1])
 
 
 def shard_corpus(cfg, out, progress=None):
@@ -45,7 +45,7 @@ def shard_corpus(cfg, out, progress=None):
     return real(cfg, out, progress=stalled)
 
 
-tasks.prepare.shard_corpus = shard_corpus
+tasks.corpus.shard_corpus = shard_corpus
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -167,9 +167,10 @@ def test_a_signal_to_a_shard_runs_group_stops_it_with_one_line(tmp_path, signum,
     assert cli.main([*argv, "--workers", "1"]) == 0  # the next run finishes the dataset
 
 
-# `tpupipe shard` interrupted while it imports Prefect: pydantic, run by that import, turns a
-# KeyboardInterrupt raised in its serializers into a PydanticSerializationError, as this
-# import hook turns it into a RuntimeError.
+# `tpupipe shard` interrupted while it imports its sharding code: pydantic, run by such an
+# import (Prefect's, when it was imported there), turns a KeyboardInterrupt raised in its
+# serializers into a PydanticSerializationError, as this import hook turns it into a
+# RuntimeError.
 CTRL_C_IN_IMPORT = """
 import os, signal, sys, time
 
@@ -178,7 +179,7 @@ from flows.cli import main
 
 class CtrlCInImport:
     def find_spec(self, name, path=None, target=None):
-        if name == "tasks.prepare":
+        if name == "tasks.corpus":
             try:
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.5)
@@ -187,13 +188,13 @@ class CtrlCInImport:
         return None
 
 
-sys.modules.pop("tasks.prepare", None)
+sys.modules.pop("tasks.corpus", None)
 sys.meta_path.insert(0, CtrlCInImport())
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_ctrl_c_while_prefect_is_imported_waits_for_the_import(tmp_path):
+def test_ctrl_c_while_the_sharding_code_is_imported_waits_for_the_import(tmp_path):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_IN_IMPORT)
     corpus = make_corpus(tmp_path)

@@ -130,7 +130,7 @@ def test_shard_command_refuses_an_out_that_is_the_source(tmp_path, capsys):
 def test_a_worker_that_dies_exits_3_with_one_line(tmp_path, capsys, monkeypatch):
     import os
 
-    import tasks.prepare
+    import tasks.corpus
     from tests.test_shard_pool import dies_in_a_worker
     from workloads.shard_pool import worker_pool
 
@@ -138,7 +138,7 @@ def test_a_worker_that_dies_exits_3_with_one_line(tmp_path, capsys, monkeypatch)
         with worker_pool(2) as run:
             list(run(dies_in_a_worker, [(os.getpid(), str(tmp_path / "died"))] * 20))
 
-    monkeypatch.setattr(tasks.prepare, "shard_corpus", shard_corpus)
+    monkeypatch.setattr(tasks.corpus, "shard_corpus", shard_corpus)
     corpus = make_corpus(tmp_path)
     assert main(["shard", "--source", str(corpus), "--out", str(tmp_path / "ds")]) == 3
     err = capsys.readouterr().err

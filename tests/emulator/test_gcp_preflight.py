@@ -64,7 +64,7 @@ def put_wheel(gcs_client, bucket: str) -> None:
 def published_tiny(gcs_client, bucket: str, tmp_path, cache: str, *overrides: str):
     """configs/tiny.yaml's dataset sharded into `tmp_path/cache` and published in `bucket`
     as an earlier run left it; returns (config, local dataset dir, remote dataset dir)."""
-    from tasks.prepare import shard_corpus
+    from tasks.corpus import shard_corpus
     from tests.helpers import tiny_config
 
     config = tiny_config(tmp_path, *overrides)
@@ -92,7 +92,7 @@ def test_a_published_dataset_missing_a_shard_is_repaired_before_provisioning(
     vms, gcs_client, bucket, tmp_path, prefect_harness, caplog
 ):
     from flows.cli import main
-    from tasks.prepare import shard_corpus
+    from tasks.corpus import shard_corpus
     from tests.helpers import tiny_config
 
     fake, machines = vms
@@ -113,7 +113,7 @@ def test_a_published_dataset_missing_a_shard_is_repaired_before_provisioning(
 
 
 def test_a_published_shard_of_another_size_is_uploaded_again(gcs_client, bucket, tmp_path):
-    from tasks.prepare import shard_corpus
+    from tasks.corpus import shard_corpus
     from tasks.remote import publish_dataset
     from tests.helpers import tiny_config
 
@@ -210,7 +210,7 @@ def test_a_damaged_shard_whose_local_copy_is_another_file_is_left_to_the_size_ch
 def test_a_published_dataset_missing_a_shard_with_no_local_copy_is_refused(
     gcs_client, bucket, tmp_path
 ):
-    from tasks.prepare import shard_corpus
+    from tasks.corpus import shard_corpus
     from tasks.remote import publish_dataset
     from tests.helpers import tiny_config
     from workloads.data import DatasetError
