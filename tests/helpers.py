@@ -218,3 +218,19 @@ class FakeClock:
         self.now += seconds
         if self.limit is not None and self.now > self.limit:
             raise AssertionError("still watching after a day of polls")
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    """Which of Prefect, jax and grain a fresh interpreter has imported once it has run
+    `code` (the repository on its path): what a command or process start pays for."""
+    import ast
+    import subprocess
+    import sys
+
+    code += "\nimport sys\nprint([m for m in ('grain', 'jax', 'prefect') if m in sys.modules])"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return ast.literal_eval(out.stdout.splitlines()[-1])

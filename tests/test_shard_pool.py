@@ -234,24 +234,12 @@ def test_the_forkserver_preloads_the_module_run_with_python_m_only():
 def test_what_sharding_and_its_forkserver_import_leaves_out_grain_and_jax():
     # Sharding reads no shard through grain; its import of grain (and jax) had cost every
     # `tpupipe shard`, and the forkserver every worker pool first started in a process,
-    # 0.6 s: a 2-worker run of the stdlib corpus took 0.9-1.3 s against 0.25 s after it.
-    import subprocess
-    import sys
-
+    # 0.6 s: a 2-worker run of the stdlib corpus took 0.9-1.3 s against 0.3 s after it.
+    from tests.helpers import heavy_modules_after
     from workloads.pool_processes import PRELOAD
 
-    root = Path(__file__).resolve().parent.parent
-    code = (
-        "import importlib, sys\n"
-        f"for name in {list(PRELOAD)!r}: importlib.import_module(name)\n"
-        "print(sorted(m for m in ('grain', 'jax', 'flax', 'optax') if m in sys.modules))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    preload = f"import importlib\nfor name in {list(PRELOAD)!r}: importlib.import_module(name)"
+    assert heavy_modules_after(preload) == []
 
 
 # A pool's processes and the signals a terminal sends its whole process group.
