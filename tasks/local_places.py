@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
-from infra.metrics.duckdb_file import database_file_problem
+from infra.metrics.duckdb_file import LONGEST_SUFFIX, database_file_problem
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.config_infra import place_problem
+from workloads.dataset_cache import DATASET_CACHE_ENV, cache_root
 
 # The deepest path a run writes beneath its run directory is a checkpoint's file in orbax's
 # temporary directories, e.g. checkpoints/<step>.orbax-checkpoint-tmp-<16 digits>/state.orbax-
@@ -33,36 +35,55 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
     Raises:
         ConfigError: naming the field (or variable), its value and the path in the way.
     """
-    places = [("storage.root", config.storage.root, plan.slices_root)]
+    root = {"storage.root": config.storage.root}
+    places = [(root, plan.slices_root)]
+    if "://" not in plan.datasets_root:
+        places.append((root, plan.datasets_root))
+    else:  # sharded in the local dataset cache, then published
+        cache = os.environ.get(DATASET_CACHE_ENV)
+        field = DATASET_CACHE_ENV if cache is not None else "the dataset cache"
+        places.append(({field: cache or cache_root()}, cache_root()))
     if (shared := shared_compile_cache(config)) is not None:
         # The checks of a local storage.root: `~/x` became <cwd>/~/x and `gs://b/x` the
         # local directory <cwd>/gs:/b/x, each a cold cache no other run shared.
         if (problem := place_problem(shared, COMPILE_CACHE_ENV, local_only=True)) is not None:
             raise ConfigError(problem)
         # JAX runs without a cache it cannot create, saying so only in the slice's log.
-        places.append((COMPILE_CACHE_ENV, shared, plan.compile_cache_dir))
+        places.append(({COMPILE_CACHE_ENV: shared}, plan.compile_cache_dir))
     if config.metrics.sink == "duckdb":
-        _check_metrics_file(config.metrics.path or plan.metrics_path, plan.metrics_path)
         field = "metrics.path" if config.metrics.path else "storage.root"
         value = config.metrics.path or config.storage.root
-        places.append((field, value, os.path.dirname(plan.metrics_path)))
-    # The deepest directory a local run makes: its length only, as its root was checked
-    # above (a second file created there would tell nothing new).
-    if "://" not in plan.run_dir and (problem := _too_long(plan.run_dir)):
-        raise ConfigError(f"storage.root = {_shown(config.storage.root)}: {problem}")
-    for field, value, path in places:
+        _check_metrics_file(field, value, plan.metrics_path)
+        places.append(({field: value}, os.path.dirname(plan.metrics_path)))
+    if "://" not in plan.run_dir:  # the deepest directory a local run makes
+        places.append(({**root, "run_name": config.run_name}, plan.run_dir))
+    for fields, path in places:
         if problem := _too_long(path):
-            raise ConfigError(f"{field} = {_shown(value)}: {problem}")
+            raise ConfigError(f"{_naming(fields, _shown)}: {problem}")
         if problem := _cannot_create(path):
-            raise ConfigError(f"{field} = {value!r}: {path} cannot be created ({problem})")
+            raise ConfigError(f"{_naming(fields, repr)}: {path} cannot be created ({problem})")
 
 
-def _check_metrics_file(value: str, path: str) -> None:
-    """Refuse an existing `metrics.path` (`value`, at absolute `path`) DuckDB cannot use."""
+def _naming(fields: dict[str, str], show: Callable[[str], str]) -> str:
+    """ "field = 'value'" for each of `fields`, joined by "and"."""
+    return " and ".join(f"{name} = {show(value)}" for name, value in fields.items())
+
+
+def _check_metrics_file(field: str, value: str, path: str) -> None:
+    """Refuse a DuckDB file (`field` = `value`, at absolute `path`) that DuckDB cannot use:
+    an existing directory or file that is not a database, or a name too long for the
+    temporary name it is created under."""
     if os.path.isdir(path):
         raise ConfigError(
             f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
             "e.g. <dir>/metrics.duckdb"
+        )
+    name, name_max = os.path.basename(path), _limit(_existing(path), "PC_NAME_MAX", 255)
+    if (length := len(os.fsencode(name)) + len(LONGEST_SUFFIX)) > name_max:
+        raise ConfigError(
+            f"{field} = {_shown(value)}: the DuckDB file's name {_shown(name)} is too long: it "
+            f"is created as {{name}}{LONGEST_SUFFIX} at most, {length} bytes, over this file "
+            f"system's limit of {name_max} (NAME_MAX)"
         )
     if dangling := _dangling_link(path):
         problem = f"it {dangling}"
@@ -112,24 +133,29 @@ def _too_long(path: str) -> str | None:
     checkpoint save ("File name too long"), its slice and steps spent; a part over 255
     bytes passed `tpupipe validate` as valid, then ended it with a traceback.
     """
-    existing = path
-    while not os.path.isdir(existing) and existing != os.path.dirname(existing):
-        existing = os.path.dirname(existing)
+    existing = _existing(path)
     name_max, path_max = _limit(existing, "PC_NAME_MAX", 255), _limit(existing, "PC_PATH_MAX", 4096)
     for part in path.split(os.sep):
-        if len(os.fsencode(part)) > name_max:
+        if (size := len(os.fsencode(part))) > name_max:
             return (
-                f"{path}: a part of it, {_shown(part)}, is {len(os.fsencode(part))} bytes long, "
-                f"over this file system's limit of {name_max} (NAME_MAX)"
+                f"{_shown(path)}: a part of it, {_shown(part)}, is {size} bytes long, over "
+                f"this file system's limit of {name_max} (NAME_MAX)"
             )
     length = len(os.fsencode(path))
     if length + BENEATH_BYTES >= path_max:
         return (
-            f"{path} is {length} bytes long, and a run writes paths up to {BENEATH_BYTES} "
+            f"{_shown(path)} is {length} bytes long, and a run writes paths up to {BENEATH_BYTES} "
             f"bytes longer beneath it (checkpoints): over this system's limit of {path_max} "
             "(PATH_MAX)"
         )
     return None
+
+
+def _existing(path: str) -> str:
+    """`path`, or its nearest ancestor that is a directory (where its limits are read)."""
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def _limit(path: str, name: str, default: int) -> int:

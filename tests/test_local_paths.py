@@ -192,3 +192,61 @@ def test_tpupipe_run_refuses_a_compile_cache_in_gcs_before_it_starts(
     assert cli_main(args) == 2
     assert "TPUPIPE_COMPILE_CACHE 'gs://bkt/cc' is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "r" / "events.jsonl").exists()  # nothing provisioned
+
+
+@pytest.mark.parametrize(
+    "blocker, field, said",
+    [
+        ("runs", "and run_name = 'tiny'", "runs/tiny cannot be created ({root}/runs is not a"),
+        ("runs/tiny", "and run_name = 'tiny'", "runs/tiny is a symlink to /nonexistent/x"),
+        ("datasets", "", "datasets cannot be created ({root}/datasets is not a directory)"),
+    ],
+    ids=["runs-a-file", "run-dir-a-dangling-link", "datasets-a-file"],
+)
+def test_what_is_in_the_way_beneath_the_storage_root_is_refused(
+    tmp_path, capsys, blocker, field, said
+):
+    # /tmp/s34/probeA/repro_runs_dir_checks.sh, repro_datasets_dir.sh: validate said valid;
+    # the run then failed with a NotADirectoryError traceback, or sharded its dataset and
+    # failed with a bare "File exists", or failed in its shard stage naming no field.
+    root = tmp_path / "root"
+    (root / blocker).parent.mkdir(parents=True)
+    if blocker == "runs/tiny":
+        (root / blocker).symlink_to("/nonexistent/x")
+    else:
+        (root / blocker).write_text("")
+    before = sorted(root.rglob("*"))
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"storage.root = {str(root)!r}{' ' + field if field else ''}" in err, err
+    assert said.format(root=root) in err, err
+    assert sorted(root.rglob("*")) == before  # nothing made
+
+
+def test_a_metrics_file_name_too_long_for_duckdbs_temporary_name_is_refused(tmp_path, capsys):
+    # /tmp/s34/probeA/repro_metrics_name_too_long.sh: a 240-byte name passed validation, the
+    # run trained, and landing failed with "File name too long" (DuckDB's file is created
+    # under <name>.<pid>-<hex>.creating); a 300-byte one likewise.
+    for name in ("m" * 233 + ".duckdb", "m" * 300):
+        metrics = tmp_path / name
+        args = ["validate", "--config", TINY, "--set", f"storage.root={tmp_path / 'root'}"]
+        assert cli_main([*args, "--set", f"metrics.path={metrics}"]) == 2
+        err = capsys.readouterr().err
+        assert "metrics.path = " in err and "the DuckDB file's name" in err, err
+        assert "over this file system's limit of 255 (NAME_MAX)" in err
+    ok = tmp_path / ("m" * 200 + ".duckdb")
+    config = tiny_config(tmp_path / "root", f"metrics.path={ok}")
+    check_local_paths(config, plan_run(config))  # room for the temporary name: passes
+    DuckDBSink(ok).ensure_tables()  # and DuckDB does create it
+
+
+def test_a_dataset_cache_that_cannot_be_made_is_refused_for_a_gcs_root(tmp_path, monkeypatch):
+    # A run with its storage root in GCS shards into the local dataset cache first.
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TPUPIPE_DATASET_CACHE", str(tmp_path / "file" / "cache"))
+    config = tiny_config(tmp_path, *GCP_OVERRIDES, "storage.root=gs://bkt/root")
+    with pytest.raises(ConfigError) as err:
+        check_local_paths(config, plan_run(config))
+    assert str(err.value).startswith(f"TPUPIPE_DATASET_CACHE = '{tmp_path}/file/cache': ")
+    assert f"({tmp_path}/file is not a directory)" in str(err.value)

@@ -19,10 +19,13 @@ from workloads.sources import DatasetError
 MANIFEST = "manifest.json"
 
 
+DATASET_CACHE_ENV = "TPUPIPE_DATASET_CACHE"
+
+
 def cache_root() -> str:
     """Where remote datasets are copied: $TPUPIPE_DATASET_CACHE or ~/.cache/tpupipe."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "tpupipe", "datasets")
-    return os.environ.get("TPUPIPE_DATASET_CACHE", default)
+    return os.environ.get(DATASET_CACHE_ENV, default)
 
 
 def local_dataset(dataset_dir: str | os.PathLike, root: str | None = None) -> str:

@@ -29,6 +29,10 @@ HEADER_BYTES = 3 * 4096
 # Errors of a filesystem that has no hard links (vfat, some FUSE and SMB mounts).
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}
 
+# The longest name `create_database` makes beside the file: its temporary name (a pid of up
+# to 7 digits, Linux's limit) with DuckDB's write-ahead log.
+LONGEST_SUFFIX = ".4194304-ffffffff.creating.wal"
+
 
 def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the existing file at `path` is not a DuckDB database, or None if it looks like one.
