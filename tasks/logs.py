@@ -37,9 +37,13 @@ class RunLogHandler(logging.Handler):
     """Prefect's API log handler, for records logged inside a flow or task run only.
 
     Outside one (`tpupipe shard`, `tpupipe report`, a test calling a provider) the
-    record still reaches the console through the root logger; Prefect's own handler would
-    also warn there that it has no flow run to send it to. No run can exist in a process
-    that has not imported Prefect, so Prefect is only looked up once it is there.
+    record reaches the console through the root logger's handlers, or, where it has none
+    (no Prefect imported: `tpupipe shard`, `report`), as Python prints a record no handler
+    takes (`logging.lastResort`): this handler counts as one, so Python would not, and
+    those commands' warnings (a shard missing and rebuilt, a dataset repaired in GCS, an
+    eval.json left out) were lost. Prefect's own handler would warn that it has no flow
+    run to send the record to. No run can exist in a process that has not imported
+    Prefect, so Prefect is only looked up once it is there.
     """
 
     def __init__(self, level: int = logging.NOTSET):
@@ -47,12 +51,16 @@ class RunLogHandler(logging.Handler):
         self._api = None  # Prefect's APILogHandler, made at the first record in a run
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Send `record` to the API when it belongs to a flow or task run."""
+        """Send `record` to the API when it belongs to a flow or task run; outside one, to
+        stderr if no other handler takes it."""
         context = sys.modules.get("prefect.context")
-        if context is None:
+        in_run = context is not None and (
+            context.FlowRunContext.get() is not None or context.TaskRunContext.get()
+        )
+        if not (in_run or getattr(record, "flow_run_id", None)):
+            _last_resort(record)
             return
-        in_run = context.FlowRunContext.get() is not None or context.TaskRunContext.get()
-        if not (in_run or getattr(record, "flow_run_id", None)) or _prefect_routes(record.name):
+        if _prefect_routes(record.name):
             return
         if self._api is None:
             from prefect.logging.handlers import APILogHandler
@@ -65,6 +73,19 @@ class RunLogHandler(logging.Handler):
         """Flush Prefect's handler, if a record was sent through it."""
         if self._api is not None:
             self._api.flush()
+
+
+def _last_resort(record: logging.LogRecord) -> None:
+    """Print `record` as Python does one that no handler takes: when no handler but this
+    module's stands between its logger and the root (inclusive)."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None:
+        if any(not isinstance(h, RunLogHandler) for h in logger.handlers):
+            return
+        logger = logger.parent if logger.propagate else None
+    resort = logging.lastResort
+    if resort is not None and record.levelno >= resort.level:
+        resort.handle(record)
 
 
 class _RefusalsWithoutTraceback(logging.Filter):

@@ -5,6 +5,9 @@ names no file (and, for landing, never landing the run's `runs` row)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -168,7 +171,14 @@ def test_an_eval_json_of_other_values_is_left_out_with_a_warning(tmp_path, capsy
     (run_dir / "eval.json").write_text(json.dumps({"step": 60, "loss": "x"}))
     code, out, err = _report(tmp_path, capsys)
     assert code == 0 and "eval loss" not in out, err
-    assert "eval.json holds loss 'x' at step 60, not an evaluation: left out" in caplog.text
+    said = "eval.json holds loss 'x' at step 60, not an evaluation: left out"
+    assert said in caplog.text
+    # And on the console of `tpupipe report`, a process without Prefect, whose root logger
+    # has no handler: the warning had been lost (/tmp/s34/probeA/repro_report_warning.sh).
+    argv = [sys.executable, "-m", "flows.cli", "report", "three", "--root", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([*argv, "--no-png"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and said in out.stderr, out.stderr
 
 
 def test_a_run_file_that_cannot_be_read_exits_1_naming_it(tmp_path, capsys):

@@ -38,6 +38,27 @@ def test_shard_command_imports_neither_prefect_nor_jax(tmp_path):
     assert heavy_modules_after(f"from flows.cli import main\nassert main({command}) == 0") == []
 
 
+def test_shard_command_shows_the_warnings_of_the_projects_loggers(tmp_path):
+    # Without Prefect imported, the root logger has no handler, and the project's run-log
+    # handler had kept Python from printing the records no handler takes: a shard
+    # deleted was rebuilt without a word (/tmp/s34/probeA/repro_shard_warnings.sh).
+    import os
+    import subprocess
+    import sys
+
+    corpus, out = make_corpus(tmp_path), tmp_path / "ds"
+    argv = [sys.executable, "-m", "flows.cli", "shard", "--source", str(corpus), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=120).returncode == 0
+    (shard,) = out.glob("*/train-00000-of-*.arrayrecord")
+    shard.unlink()
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    said = f"dataset shard {shard} is missing or not the size its manifest records; building"
+    assert said in again.stderr and "dataset written" in again.stderr
+    assert again.stderr.count(said) == 1
+
+
 def test_shard_command_exit_codes_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
