@@ -7,7 +7,9 @@ import tempfile
 from collections.abc import Callable
 
 from infra.metrics.duckdb_file import LONGEST_SUFFIX, database_file_problem
+from infra.slices import registry_dir
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
+from tasks.run_lock import lock_path, lock_problem, locks_dir
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.config_infra import place_problem
@@ -21,16 +23,21 @@ BENEATH_BYTES = 256
 
 
 def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
-    """The local directories a run creates can be created (TPUPIPE_COMPILE_CACHE, when it
-    applies, is checked as a local storage.root is: no `~`, URI or blank value), and the
-    DuckDB file is a file DuckDB can open (or is not there yet).
+    """The local directories a run creates or writes in can be (beneath a local
+    storage.root: `runs/<run_name>`, `datasets/`, `compile_cache/`, `slices/`, `locks/`;
+    the dataset cache of a `gs://` one; TPUPIPE_COMPILE_CACHE, when it applies, checked as
+    a local storage.root is: no `~`, URI or blank value), the run's lock file, if there,
+    opens for writing, and the DuckDB file is a database DuckDB can open and write (or is
+    not there yet).
 
     Each of these passed validation and failed the run later: a storage root below a
     regular file or in a directory this user cannot write at its lock (exit 1), a storage
     root that is a symlink to a missing target (an unmounted disk) with a bare "File
     exists", and a `metrics.path` naming a directory or a file that is not a DuckDB
     database (a 0-byte stub a create on a full disk left) only when landing, after the
-    whole training run.
+    whole training run. In a root a group shares, a teammate's `locks/`, `runs/` or
+    metrics file this user may read but not write failed the run with a traceback (or at
+    landing), one directory per attempt.
 
     Raises:
         ConfigError: naming the field (or variable), its value and the path in the way.
@@ -56,12 +63,25 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
         _check_metrics_file(field, value, plan.metrics_path)
         places.append(({field: value}, os.path.dirname(plan.metrics_path)))
     if "://" not in plan.run_dir:  # the deepest directory a local run makes
-        places.append(({**root, "run_name": config.run_name}, plan.run_dir))
+        places.append(({**root, "run_name": plan.run_name}, plan.run_dir))
+    if "://" not in plan.compile_cache_dir and shared is None:
+        places.append((root, plan.compile_cache_dir))  # JAX skipped it, saying nothing
+    if config.slice.provider == "local":  # the local slices' registry
+        places.append((root, registry_dir(plan.slices_root)))
+    locks = str(locks_dir(plan))
+    places.append(
+        (root if "://" not in plan.storage_root else {"the lock directory": locks}, locks)
+    )
     for fields, path in places:
         if problem := _too_long(path):
             raise ConfigError(f"{_naming(fields, _shown)}: {problem}")
         if problem := _cannot_create(path):
             raise ConfigError(f"{_naming(fields, repr)}: {path} cannot be created ({problem})")
+    if (lock := lock_path(plan)).exists():  # a teammate's, made before locks honoured umasks
+        try:
+            os.close(os.open(lock, os.O_RDWR | os.O_CLOEXEC))
+        except OSError as exc:
+            raise ConfigError(lock_problem(lock, exc, "run_name")) from None
 
 
 def _naming(fields: dict[str, str], show: Callable[[str], str]) -> str:
@@ -88,13 +108,23 @@ def _check_metrics_file(field: str, value: str, path: str) -> None:
     if dangling := _dangling_link(path):
         problem = f"it {dangling}"
     elif os.path.exists(path):
-        problem = database_file_problem(path)
+        problem = database_file_problem(path) or _read_only(path)
     else:
         return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
     if problem:
         raise ConfigError(
             f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"
         )
+
+
+def _read_only(path: str) -> str | None:
+    """Why the existing file `path` cannot be opened for writing, or None. Opened, not
+    asked (`os.access`), as DuckDB opens it: root passes os.access on a read-only mount."""
+    try:
+        with open(path, "r+b"):
+            return None
+    except OSError as exc:
+        return f"it cannot be written: {exc.strerror or exc}"
 
 
 def _dangling_link(path: str) -> str | None:

@@ -20,7 +20,9 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
 from workloads.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -144,8 +147,13 @@ def _held(
 ) -> Iterator[None]:
     """This machine's lock file `name` (an flock), then for a `gs://` root the bucket's."""
     path = locks_dir(plan) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # 0o666 less the umask, as any file: with 0o644 only its creator could open it
+        # again, and a teammate's rerun of a run in a group-shared root failed for good.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise ConfigError(lock_problem(path, exc, field)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -169,6 +177,27 @@ def _held(
             yield
     finally:
         os.close(fd)  # releases the flock
+
+
+def lock_problem(path: Path, exc: OSError, field: str) -> str:
+    """Why lock file `path` cannot be opened (`exc`), naming its owner and mode if it exists."""
+    try:
+        st = path.stat()
+        whose = f" (owner {_user(st.st_uid)}, mode {stat.filemode(st.st_mode)})"
+    except OSError:
+        whose = ""
+    return (
+        f"cannot open the lock file {path}{whose}: {exc.strerror or exc}; have its owner "
+        f"make it writable for you (chmod g+w on a group's shared root), or choose another "
+        f"{field}"
+    )
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _describe(path: Path) -> str:

@@ -4,6 +4,10 @@ and the run failed later, at its lock or after the whole training run."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from flows.cli import main as cli_main
 from infra.metrics import DuckDBSink
 from tasks.plan import plan_run
 from tasks.prepare import check_inputs, check_local_paths
+from tasks.run_lock import run_held
 from tests.helpers import GCP_OVERRIDES, REPO, tiny_config
 from workloads.config_file import ConfigError
 
@@ -200,15 +205,19 @@ def test_tpupipe_run_refuses_a_compile_cache_in_gcs_before_it_starts(
         ("runs", "and run_name = 'tiny'", "runs/tiny cannot be created ({root}/runs is not a"),
         ("runs/tiny", "and run_name = 'tiny'", "runs/tiny is a symlink to /nonexistent/x"),
         ("datasets", "", "datasets cannot be created ({root}/datasets is not a directory)"),
+        ("locks", "", "locks cannot be created ({root}/locks is not a directory)"),
+        ("slices", "", "slices cannot be created ({root}/slices is not a directory)"),
+        ("compile_cache", "", "compile_cache cannot be created ({root}/compile_cache is not"),
     ],
-    ids=["runs-a-file", "run-dir-a-dangling-link", "datasets-a-file"],
+    ids=["runs-a-file", "run-dir-a-dangling-link", "datasets-a-file", "locks", "slices", "cache"],
 )
 def test_what_is_in_the_way_beneath_the_storage_root_is_refused(
-    tmp_path, capsys, blocker, field, said
+    tmp_path, capsys, monkeypatch, blocker, field, said
 ):
     # /tmp/s34/probeA/repro_runs_dir_checks.sh, repro_datasets_dir.sh: validate said valid;
     # the run then failed with a NotADirectoryError traceback, or sharded its dataset and
     # failed with a bare "File exists", or failed in its shard stage naming no field.
+    monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")  # the root's own cache, not the suite's
     root = tmp_path / "root"
     (root / blocker).parent.mkdir(parents=True)
     if blocker == "runs/tiny":
@@ -250,3 +259,55 @@ def test_a_dataset_cache_that_cannot_be_made_is_refused_for_a_gcs_root(tmp_path,
         check_local_paths(config, plan_run(config))
     assert str(err.value).startswith(f"TPUPIPE_DATASET_CACHE = '{tmp_path}/file/cache': ")
     assert f"({tmp_path}/file is not a directory)" in str(err.value)
+
+
+@contextlib.contextmanager
+def _immutable(path: Path):
+    """`path` made immutable (chattr +i: unwritable to root too, as a teammate's file mode
+    0644 is to this user), or the test skipped where the system does not allow it."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not allowed here")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, capsys):
+    # /tmp/s34/probeB/repros/r1_run_lock_mode.sh, r3_metrics_readonly.sh: a teammate's
+    # lock file (mode 0644) passed validate and failed every rerun with a traceback; a
+    # metrics file readable but not writable failed at landing, after the whole run.
+    root = tmp_path / "root"
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    config = tiny_config(root)
+    with run_held(plan_run(config), config):  # made as a run makes it
+        pass
+    lock = root / "locks" / "tiny.lock"
+    with _immutable(lock):
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err
+        assert f"cannot open the lock file {lock} (owner root, mode -rw-r--r--): " in err, err
+        assert "or choose another run_name" in err
+    assert cli_main(args) == 0
+    DuckDBSink(root / "metrics.duckdb").ensure_tables()
+    with _immutable(root / "metrics.duckdb"):
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err
+        assert "metrics.duckdb is not a usable DuckDB database: it cannot be written" in err
+    assert cli_main(args) == 0
+
+
+def test_lock_files_honour_the_umask_so_a_group_can_share_a_root(tmp_path):
+    # Made 0644 whatever the umask, a run's lock and a dataset's lock let only their
+    # creator run that run again or build in that datasets directory.
+    from workloads.outdir import claimed
+
+    config = tiny_config(tmp_path)
+    before = os.umask(0o002)
+    try:
+        with run_held(plan_run(config), config), claimed(tmp_path / "datasets" / "d"):
+            pass
+    finally:
+        os.umask(before)
+    for lock in (tmp_path / "locks" / "tiny.lock", tmp_path / "datasets" / "d" / ".lock"):
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o664, lock

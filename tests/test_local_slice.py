@@ -185,6 +185,17 @@ def test_list_filters_by_labels(provider, tmp_path):
     assert provider.list({"team": "a", "env": "y"}) == []
 
 
+def test_a_record_that_cannot_be_read_is_skipped_with_a_warning(provider, tmp_path, caplog):
+    # Another user's record, mode 600 in a shared root (here a directory: unreadable to
+    # root too), had made list() raise: the reaper judged no slice at all, and every run's
+    # teardown hook failed with a traceback (/tmp/s34/probeB/repros/r4_*.sh).
+    provider.create(_spec(tmp_path, "a", SLEEPER, labels={"team": "a"}))
+    (tmp_path / "registry" / "theirs.json").mkdir()
+    assert [s.name for s in provider.list({"team": "a"})] == ["a"]
+    assert f"slice record {tmp_path / 'registry' / 'theirs.json'} cannot be read" in caplog.text
+    assert provider.delete("a", grace_s=0)
+
+
 def test_spec_and_factory_validation(tmp_path):
     with pytest.raises(ValueError, match="name"):
         _spec(tmp_path, "Bad_Name", SLEEPER)

@@ -76,7 +76,9 @@ def _lock(directory: Path) -> int:
             directory.mkdir(parents=True, exist_ok=True)
             if not os.access(directory, os.W_OK | os.X_OK):  # an existing `.lock` opens anyway
                 raise PermissionError(13, "Permission denied")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # 0o666 less the umask: with 0o644, another user of a group-shared datasets
+            # directory failed where the README says a run waits for the lock.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as exc:
             raise DatasetError(_unwritable(directory, exc)) from exc
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -94,6 +96,8 @@ def _unwritable(directory: Path, exc: OSError) -> str:
             if not parent.is_dir():
                 return f"the datasets directory {parent} is not a directory"
             break
+    if os.path.lexists(lock := directory / LOCK) and os.access(directory, os.W_OK | os.X_OK):
+        return f"cannot open {lock}, the dataset directory's lock: {exc.strerror or exc}"
     return f"cannot write the dataset directory {directory}: {exc.strerror or exc}"
 
 

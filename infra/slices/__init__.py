@@ -68,9 +68,14 @@ def build_provider(kind: str, root: str, config: Any = None) -> SliceProvider:
     with _PROVIDERS_LOCK:
         provider = _PROVIDERS.get(key)
         if provider is None:
-            provider = LocalSliceProvider(os.path.join(key[1], "slices"))
+            provider = LocalSliceProvider(registry_dir(key[1]))
             _PROVIDERS[key] = provider
         return provider
+
+
+def registry_dir(root: str | os.PathLike) -> str:
+    """The directory of the local slices' records under local root `root`."""
+    return os.path.join(os.path.abspath(os.fspath(root)), "slices")
 
 
 def _gcp_provider(config: Any) -> SliceProvider:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -45,6 +46,8 @@ from infra.slices.procs import (
 
 # After SIGKILL the kernel needs moments, not seconds; longer means a stuck (D-state) process.
 _KILL_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class LocalSliceProvider:
@@ -195,6 +198,11 @@ class LocalSliceProvider:
             try:
                 status = self.status(name)
             except ValueError:  # a stray file whose name is not a slice name
+                continue
+            except OSError as exc:  # another user's record, mode 600 in a shared root
+                # Skipped, not raised: one unreadable record had stopped the reaper and
+                # every run's teardown hook from judging any other slice.
+                log.warning("slice record %s cannot be read, skipped: %s", self._path(name), exc)
                 continue
             wanted = (labels or {}).items()
             if status.state is not SliceState.NOT_FOUND and wanted <= status.labels.items():
