@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -234,3 +236,19 @@ def heavy_modules_after(code: str) -> list[str]:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return ast.literal_eval(out.stdout.splitlines()[-1])
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """`path` made immutable (chattr +i: unwritable to root too, as a teammate's file of
+    mode 0644 is to another user), or the test skipped where the system does not allow it."""
+    import subprocess
+
+    import pytest
+
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not allowed here")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)

@@ -146,6 +146,24 @@ def test_the_cli_leaves_a_newer_step_s_evaluation_in_eval_json(trained, tmp_path
     assert json.loads(eval_json.read_text())["step"] == 4
 
 
+def test_the_cli_on_a_run_directory_it_cannot_write_prints_the_figures_and_one_line(
+    trained, tmp_path, capsys
+):
+    # A teammate's run, read-only for this user: the figures were printed after a
+    # PermissionError traceback (/tmp/s34/probeB/repros/r7_workload_alone_readonly.sh).
+    from tests.helpers import immutable
+
+    config_path = _copy_of(trained, tmp_path)
+    with immutable(tmp_path / "run"):
+        assert main(["--config", config_path]) == 1
+    out, err = capsys.readouterr()
+    assert "bits_per_byte" in out
+    assert (
+        err.startswith("eval.json not written (its figures are above): ") and "Traceback" not in err
+    )
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run" / "eval.json").exists()
+
+
 def test_only_the_late_closed_loop_errors_are_dropped(capsys):
     import logging
     import sys

@@ -4,10 +4,8 @@ and the run failed later, at its lock or after the whole training run."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from infra.metrics import DuckDBSink
 from tasks.plan import plan_run
 from tasks.prepare import check_inputs, check_local_paths
 from tasks.run_lock import run_held
-from tests.helpers import GCP_OVERRIDES, REPO, tiny_config
+from tests.helpers import GCP_OVERRIDES, REPO, immutable, tiny_config
 from workloads.config_file import ConfigError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -261,18 +259,6 @@ def test_a_dataset_cache_that_cannot_be_made_is_refused_for_a_gcs_root(tmp_path,
     assert f"({tmp_path}/file is not a directory)" in str(err.value)
 
 
-@contextlib.contextmanager
-def _immutable(path: Path):
-    """`path` made immutable (chattr +i: unwritable to root too, as a teammate's file mode
-    0644 is to this user), or the test skipped where the system does not allow it."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
-        pytest.skip("chattr +i is not allowed here")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
-
-
 def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, capsys):
     # /tmp/s34/probeB/repros/r1_run_lock_mode.sh, r3_metrics_readonly.sh: a teammate's
     # lock file (mode 0644) passed validate and failed every rerun with a traceback; a
@@ -283,14 +269,14 @@ def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, 
     with run_held(plan_run(config), config):  # made as a run makes it
         pass
     lock = root / "locks" / "tiny.lock"
-    with _immutable(lock):
+    with immutable(lock):
         assert cli_main(args) == 2
         err = capsys.readouterr().err
         assert f"cannot open the lock file {lock} (owner root, mode -rw-r--r--): " in err, err
         assert "or choose another run_name" in err
     assert cli_main(args) == 0
     DuckDBSink(root / "metrics.duckdb").ensure_tables()
-    with _immutable(root / "metrics.duckdb"):
+    with immutable(root / "metrics.duckdb"):
         assert cli_main(args) == 2
         err = capsys.readouterr().err
         assert "metrics.duckdb is not a usable DuckDB database: it cannot be written" in err
