@@ -9,7 +9,8 @@ from collections.abc import Callable
 from infra.metrics.duckdb_file import LONGEST_SUFFIX, database_file_problem
 from infra.slices import registry_dir
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
-from tasks.run_lock import lock_path, lock_problem, locks_dir
+from tasks.run_lock import locks_dir, owner_and_mode
+from tasks.shared_root import check_writable
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.config_infra import place_problem
@@ -43,45 +44,46 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
         ConfigError: naming the field (or variable), its value and the path in the way.
     """
     root = {"storage.root": config.storage.root}
-    places = [(root, plan.slices_root)]
-    if "://" not in plan.datasets_root:
-        places.append((root, plan.datasets_root))
+    # (fields, directory, whether this run must write in it); paths made absolute: the
+    # walk up to an existing directory never ended for a relative one.
+    places = [(root, plan.slices_root, True)]
+    if "://" not in plan.datasets_root:  # read only where the dataset is complete already
+        places.append((root, plan.datasets_root, False))
     else:  # sharded in the local dataset cache, then published
         cache = os.environ.get(DATASET_CACHE_ENV)
         field = DATASET_CACHE_ENV if cache is not None else "the dataset cache"
-        places.append(({field: cache or cache_root()}, cache_root()))
-    if (shared := shared_compile_cache(config)) is not None:
-        # The checks of a local storage.root: `~/x` became <cwd>/~/x and `gs://b/x` the
-        # local directory <cwd>/gs:/b/x, each a cold cache no other run shared.
-        if (problem := place_problem(shared, COMPILE_CACHE_ENV, local_only=True)) is not None:
-            raise ConfigError(problem)
-        # JAX runs without a cache it cannot create, saying so only in the slice's log.
-        places.append(({COMPILE_CACHE_ENV: shared}, plan.compile_cache_dir))
+        places.append(({field: cache or cache_root()}, cache_root(), False))
+    shared = shared_compile_cache(config)
+    # The checks of a local storage.root: `~/x` became <cwd>/~/x and `gs://b/x` the local
+    # directory <cwd>/gs:/b/x, each a cold cache no other run shared.
+    if shared is not None and (problem := place_problem(shared, COMPILE_CACHE_ENV, True)):
+        raise ConfigError(problem)
+    if "://" not in plan.compile_cache_dir:  # JAX runs without a cache it cannot write
+        cache_field = {COMPILE_CACHE_ENV: shared} if shared is not None else root
+        places.append((cache_field, plan.compile_cache_dir, True))
     if config.metrics.sink == "duckdb":
         field = "metrics.path" if config.metrics.path else "storage.root"
         value = config.metrics.path or config.storage.root
         _check_metrics_file(field, value, plan.metrics_path)
-        places.append(({field: value}, os.path.dirname(plan.metrics_path)))
+        places.append(({field: value}, os.path.dirname(plan.metrics_path), True))
     if "://" not in plan.run_dir:  # the deepest directory a local run makes
-        places.append(({**root, "run_name": plan.run_name}, plan.run_dir))
-    if "://" not in plan.compile_cache_dir and shared is None:
-        places.append((root, plan.compile_cache_dir))  # JAX skipped it, saying nothing
+        places.append(({**root, "run_name": plan.run_name}, plan.run_dir, True))
     if config.slice.provider == "local":  # the local slices' registry
-        places.append((root, registry_dir(plan.slices_root)))
+        places.append((root, registry_dir(plan.slices_root), True))
     locks = str(locks_dir(plan))
-    places.append(
-        (root if "://" not in plan.storage_root else {"the lock directory": locks}, locks)
-    )
-    for fields, path in places:
+    if "://" not in plan.storage_root:
+        places.append((root, locks, True))
+    elif xdg := os.environ.get("XDG_CACHE_HOME"):  # a gs:// root's locks: this user's
+        places.append(({"XDG_CACHE_HOME": xdg}, locks, True))
+    else:
+        places.append(({"the lock directory": locks}, locks, True))
+    for fields, path, write in places:
+        path = os.path.abspath(path)
         if problem := _too_long(path):
             raise ConfigError(f"{_naming(fields, _shown)}: {problem}")
-        if problem := _cannot_create(path):
-            raise ConfigError(f"{_naming(fields, repr)}: {path} cannot be created ({problem})")
-    if (lock := lock_path(plan)).exists():  # a teammate's, made before locks honoured umasks
-        try:
-            os.close(os.open(lock, os.O_RDWR | os.O_CLOEXEC))
-        except OSError as exc:
-            raise ConfigError(lock_problem(lock, exc, "run_name")) from None
+        if problem := _cannot_create(path, write):
+            raise ConfigError(f"{_naming(fields, repr)}: {path} cannot be {problem}")
+    check_writable(config, plan)
 
 
 def _naming(fields: dict[str, str], show: Callable[[str], str]) -> str:
@@ -91,40 +93,28 @@ def _naming(fields: dict[str, str], show: Callable[[str], str]) -> str:
 
 def _check_metrics_file(field: str, value: str, path: str) -> None:
     """Refuse a DuckDB file (`field` = `value`, at absolute `path`) that DuckDB cannot use:
-    an existing directory or file that is not a database, or a name too long for the
-    temporary name it is created under."""
+    an existing directory or file that is not a database, or a new file's name too long
+    for the temporary name it is created under."""
     if os.path.isdir(path):
         raise ConfigError(
-            f"metrics.path = {value!r} is a directory; give the DuckDB file's path, "
-            "e.g. <dir>/metrics.duckdb"
-        )
-    name, name_max = os.path.basename(path), _limit(_existing(path), "PC_NAME_MAX", 255)
-    if (length := len(os.fsencode(name)) + len(LONGEST_SUFFIX)) > name_max:
-        raise ConfigError(
-            f"{field} = {_shown(value)}: the DuckDB file's name {_shown(name)} is too long: it "
-            f"is created as {{name}}{LONGEST_SUFFIX} at most, {length} bytes, over this file "
-            f"system's limit of {name_max} (NAME_MAX)"
+            f"{field} = {value!r}: {path} is a directory; give the DuckDB file's path in "
+            "metrics.path, e.g. <dir>/metrics.duckdb"
         )
     if dangling := _dangling_link(path):
         problem = f"it {dangling}"
     elif os.path.exists(path):
-        problem = database_file_problem(path) or _read_only(path)
+        problem = database_file_problem(path)
     else:
+        name, name_max = os.path.basename(path), _limit(_existing(path), "PC_NAME_MAX", 255)
+        if (length := len(os.fsencode(name)) + len(LONGEST_SUFFIX)) > name_max:
+            raise ConfigError(
+                f"{field} = {_shown(value)}: the DuckDB file's name {_shown(name)} is too long: "
+                f"it is created as <name>{LONGEST_SUFFIX} at most, {length} bytes, over this "
+                f"file system's limit of {name_max} (NAME_MAX)"
+            )
         return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
     if problem:
-        raise ConfigError(
-            f"metrics.path = {value!r}: {path} is not a usable DuckDB database: {problem}"
-        )
-
-
-def _read_only(path: str) -> str | None:
-    """Why the existing file `path` cannot be opened for writing, or None. Opened, not
-    asked (`os.access`), as DuckDB opens it: root passes os.access on a read-only mount."""
-    try:
-        with open(path, "r+b"):
-            return None
-    except OSError as exc:
-        return f"it cannot be written: {exc.strerror or exc}"
+        raise ConfigError(f"{field} = {value!r}: {path} is not a usable DuckDB database: {problem}")
 
 
 def _dangling_link(path: str) -> str | None:
@@ -135,24 +125,29 @@ def _dangling_link(path: str) -> str | None:
     return f"is a symlink to {target}, which does not exist: is its disk mounted?"
 
 
-def _cannot_create(path: str) -> str | None:
-    """Why the directory `path` cannot be created (or used, if it exists), or None."""
+def _cannot_create(path: str, write: bool = True) -> str | None:
+    """Why the directory at absolute `path` cannot be created (or written, if it exists;
+    with `write` False, only what is in the way of it), as "created (...)" or "written
+    (...)", or None."""
     existing = path
     # lexists, not exists: a symlink to a missing target (an unmounted disk) is in the way
     # of creating the directory, where exists() walked past it to its writable parent.
-    while not os.path.lexists(existing):
+    while not os.path.lexists(existing) and existing != os.path.dirname(existing):
         existing = os.path.dirname(existing)
     if dangling := _dangling_link(existing):
-        return f"{existing} {dangling}"
+        return f"created ({existing} {dangling})"
     if not os.path.isdir(existing):
-        return f"{existing} is not a directory"
+        return f"created ({existing} is not a directory)"
+    verb = "written" if existing == path else "created"
+    if not write and existing == path:
+        return None  # there: a run that only reads it needs nothing more
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
+        return f"{verb} ({existing} is not writable{owner_and_mode(existing)})"
     try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
         with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
             pass
     except OSError as exc:
-        return f"nothing can be written in {existing}: {exc.strerror or exc}"
+        return f"{verb} (nothing can be written in {existing}: {exc.strerror or exc})"
     return None
 
 

@@ -16,6 +16,7 @@ orchestrators of one `gs://` run on two machines are not kept apart.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -181,23 +182,31 @@ def _held(
 
 def lock_problem(path: Path, exc: OSError, field: str) -> str:
     """Why lock file `path` cannot be opened (`exc`), naming its owner and mode if it exists."""
+    return f"cannot open the lock file {path}{owner_and_mode(path)}: {remedy(exc, field)}"
+
+
+def owner_and_mode(path: str | os.PathLike) -> str:
+    """ " (owner alice, mode -rw-r--r--)" for an existing `path`, else ""."""
     try:
-        st = path.stat()
-        whose = f" (owner {_user(st.st_uid)}, mode {stat.filemode(st.st_mode)})"
+        st = os.stat(path)
     except OSError:
-        whose = ""
-    return (
-        f"cannot open the lock file {path}{whose}: {exc.strerror or exc}; have its owner "
-        f"make it writable for you (chmod g+w on a group's shared root), or choose another "
-        f"{field}"
-    )
-
-
-def _user(uid: int) -> str:
+        return ""
     try:
-        return pwd.getpwuid(uid).pw_name
+        owner = pwd.getpwuid(st.st_uid).pw_name
     except KeyError:
-        return f"uid {uid}"
+        owner = f"uid {st.st_uid}"
+    return f" (owner {owner}, mode {stat.filemode(st.st_mode)})"
+
+
+def remedy(exc: OSError, field: str) -> str:
+    """`exc`'s reason, then what to do about a teammate's file this user cannot write."""
+    reason = exc.strerror or str(exc)
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return f"{reason}; remove or repair it, or choose another {field}"
+    return (
+        f"{reason}; have its owner make it writable for you (a group sharing a storage root "
+        f"needs umask 002, or chmod -R g+w), or choose another {field}"
+    )
 
 
 def _describe(path: Path) -> str:

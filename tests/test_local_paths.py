@@ -272,14 +272,17 @@ def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, 
     with immutable(lock):
         assert cli_main(args) == 2
         err = capsys.readouterr().err
-        assert f"cannot open the lock file {lock} (owner root, mode -rw-r--r--): " in err, err
-        assert "or choose another run_name" in err
+        assert f"{lock} cannot be written (owner root, mode -rw-r--r--): " in err, err
+        assert "a group sharing a storage root needs umask 002" in err
+        assert err.rstrip().endswith("or choose another run_name")
     assert cli_main(args) == 0
     DuckDBSink(root / "metrics.duckdb").ensure_tables()
     with immutable(root / "metrics.duckdb"):
         assert cli_main(args) == 2
         err = capsys.readouterr().err
-        assert "metrics.duckdb is not a usable DuckDB database: it cannot be written" in err
+        assert (
+            f"storage.root = {str(root)!r}: {root}/metrics.duckdb cannot be written (owner" in err
+        )
     assert cli_main(args) == 0
 
 
@@ -297,3 +300,73 @@ def test_lock_files_honour_the_umask_so_a_group_can_share_a_root(tmp_path):
         os.umask(before)
     for lock in (tmp_path / "locks" / "tiny.lock", tmp_path / "datasets" / "d" / ".lock"):
         assert stat.S_IMODE(lock.stat().st_mode) == 0o664, lock
+
+
+@pytest.mark.parametrize(
+    "made, blocked",
+    [
+        ("slices/.lock", "slices/.lock"),
+        ("metrics.duckdb.wal", "metrics.duckdb.wal"),
+        ("compile_cache/.lockfile", "compile_cache/.lockfile"),
+        ("runs/tiny/events.jsonl", "runs/tiny/events.jsonl"),
+        ("runs/tiny/checkpoints/4/", "runs/tiny/checkpoints/4"),
+    ],
+    ids=["slice-registry-lock", "duckdb-wal", "jax-cache-lock", "ledger", "checkpoint-step"],
+)
+def test_what_a_teammate_left_that_a_run_writes_in_place_is_refused(
+    tmp_path, capsys, monkeypatch, made, blocked
+):
+    # /tmp/s34/probeD/repros: each, made by a teammate with umask 022, passed validate and
+    # failed the run with a traceback: at provisioning (the registry's lock), at landing
+    # after training (the WAL), at the first save of a resume (a checkpoint step it
+    # deleted); JAX's cache lock made every program compile again, said only in a log.
+    monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")
+    root = tmp_path / "root"
+    path = root / made
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir() if made.endswith("/") else path.write_text("")
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    with immutable(path):
+        assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{root}/{blocked} cannot be written (owner root, mode " in err, err
+    assert "needs umask 002" in err
+    assert cli_main(args) == 0
+
+
+def test_places_a_run_only_reads_and_names_of_existing_files_are_not_refused(
+    tmp_path, capsys, monkeypatch
+):
+    # /tmp/s34/probeC: a read-only datasets/ holding the complete dataset is read, never
+    # written; an existing metrics file is never created under the longer temporary name.
+    root = tmp_path / "root"
+    (root / "datasets").mkdir(parents=True)
+    metrics = root / ("m" * 239)
+    import duckdb
+
+    duckdb.connect(str(metrics)).close()  # made in place, by DuckDB itself
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    with immutable(root / "datasets"):
+        assert cli_main([*args, "--set", f"metrics.path={metrics}"]) == 0, capsys.readouterr()
+
+
+def test_relative_cache_places_of_a_gcs_root_are_checked_and_named(tmp_path, monkeypatch):
+    # /tmp/s34/probeC/repro_relative_cache_hang.sh: validate spun forever on a relative
+    # TPUPIPE_DATASET_CACHE or XDG_CACHE_HOME (dirname('') is '').
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TPUPIPE_DATASET_CACHE", "relcache/ds")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relxdg")
+    config = tiny_config(tmp_path, *GCP_OVERRIDES, "storage.root=gs://bkt/root")
+    signal.alarm(60)
+    try:
+        check_local_paths(config, plan_run(config))
+        Path("xdgfile").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", "xdgfile")
+        with pytest.raises(ConfigError) as err:
+            check_local_paths(config, plan_run(config))
+    finally:
+        signal.alarm(0)
+    assert str(err.value).startswith("XDG_CACHE_HOME = 'xdgfile': ")
+    assert f"({tmp_path}/xdgfile is not a directory)" in str(err.value)

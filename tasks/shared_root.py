@@ -1,0 +1,85 @@
+"""What a run writes in place beneath a storage root that others may have made: checked
+before it starts (`check_writable`), for roots a group shares.
+
+Files a run replaces (config.json, status.json, eval.json) need only their directory to be
+writable. These it opens for writing instead, so a teammate's copy made with umask 022 or
+027 stopped the run, most after its slice was provisioned: the run's and the slice
+registry's lock files (a PermissionError traceback at provisioning, and for the reaper),
+the DuckDB file and its write-ahead log (landing failed after the whole training run),
+the ledger and metrics lines appended to (events.jsonl, metrics.jsonl, logs/), the
+compilation cache's lock (JAX read and wrote no entry: every program compiled again,
+said only in the slice's log), and every directory of the run: a teammate's checkpoint
+step was deleted at the first save of a resumed run, which then failed, every attempt.
+"""
+
+from __future__ import annotations
+
+import os
+
+from infra.slices import registry_dir
+from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
+from tasks.run_lock import lock_path, owner_and_mode, remedy
+from workloads.config import PipelineConfig
+from workloads.config_file import ConfigError
+
+# The files of a run directory its processes append to; JAX's cache lock (`.lockfile`).
+APPENDED = ("events.jsonl", "metrics.jsonl")
+CACHE_LOCK = ".lockfile"
+
+
+def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
+    """Refuse, naming it with its owner and mode, the first existing file a run would open
+    for writing, or directory of its run directory, that this user cannot write.
+
+    Raises:
+        ConfigError: naming the field, the path, its owner and mode, and what to do.
+    """
+    root = f"storage.root = {config.storage.root!r}"
+    run = f"{root} and run_name = {plan.run_name!r}"
+    files = [(run, str(lock_path(plan)), "run_name")]
+    if config.slice.provider == "local":
+        files.append((root, os.path.join(registry_dir(plan.slices_root), ".lock"), "storage.root"))
+    if config.metrics.sink == "duckdb":
+        field = "metrics.path" if config.metrics.path else "storage.root"
+        value = f"{field} = {(config.metrics.path or config.storage.root)!r}"
+        files += [(value, plan.metrics_path, field), (value, f"{plan.metrics_path}.wal", field)]
+    if "://" not in plan.compile_cache_dir:
+        shared = shared_compile_cache(config)
+        field = f"{COMPILE_CACHE_ENV} = {shared!r}" if shared else root
+        cache_lock = os.path.join(plan.compile_cache_dir, CACHE_LOCK)
+        files.append((field, cache_lock, COMPILE_CACHE_ENV if shared else "storage.root"))
+    if "://" not in plan.run_dir:
+        files += [(run, os.path.join(plan.run_dir, name), "run_name") for name in APPENDED]
+        files += [(run, path, "run_name") for path in _run_logs(plan.run_dir)]
+        for path in _run_directories(plan.run_dir):
+            if not os.access(path, os.W_OK | os.X_OK):
+                exc = PermissionError(13, "Permission denied")
+                raise ConfigError(f"{run}: {path} cannot be written{_said(path, exc, 'run_name')}")
+    for field, path, other in files:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+        except FileNotFoundError:
+            continue  # made by this run, as its umask says
+        except OSError as exc:
+            raise ConfigError(
+                f"{field}: {path} cannot be written{_said(path, exc, other)}"
+            ) from None
+
+
+def _said(path: str, exc: OSError, other: str) -> str:
+    return f"{owner_and_mode(path)}: {remedy(exc, other)}"
+
+
+def _run_logs(run_dir: str) -> list[str]:
+    logs = os.path.join(run_dir, "logs")
+    try:
+        return [e.path for e in os.scandir(logs) if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _run_directories(run_dir: str) -> list[str]:
+    """The run directory and every directory beneath it (checkpoints: a few hundred)."""
+    if not os.path.isdir(run_dir):
+        return []
+    return [top for top, _, _ in os.walk(run_dir)]
