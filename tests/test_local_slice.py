@@ -196,6 +196,28 @@ def test_a_record_that_cannot_be_read_is_skipped_with_a_warning(provider, tmp_pa
     assert provider.delete("a", grace_s=0)
 
 
+def test_a_group_of_another_user_is_named_when_it_cannot_be_signalled(monkeypatch):
+    # A teammate's orphaned slice: the reaper and a rerun failed with a bare
+    # "[Errno 1] Operation not permitted" (/tmp/s34/probeD/repros/s3b_*.sh).
+    import pwd
+    import signal
+
+    from infra.slices.procs import signal_group
+
+    def refused(pgid, sig):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "killpg", refused)
+    me = pwd.getpwuid(os.getuid()).pw_name
+    with pytest.raises(PermissionError) as err:
+        signal_group(os.getpgid(0), signal.SIGTERM)
+    assert f"cannot signal process group {os.getpgid(0)}, {me}'s: only {me} or root" in str(
+        err.value
+    )
+    monkeypatch.undo()
+    signal_group(2**22 + 7, signal.SIGTERM)  # a group that is gone: nothing to do
+
+
 def test_spec_and_factory_validation(tmp_path):
     with pytest.raises(ValueError, match="name"):
         _spec(tmp_path, "Bad_Name", SLEEPER)

@@ -7,9 +7,9 @@ waited for that would hang. Containers whose PID 1 never reaps orphans make this
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -150,8 +150,27 @@ def is_our_group(record: dict[str, Any]) -> bool:
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    """Send `sig` to process group `pgid`, gone or not.
+
+    Raises:
+        PermissionError: the group is another user's (a teammate's slice in a shared
+            storage root), naming that user: the bare "Operation not permitted" left the
+            reaper's and a rerun's user guessing why the slice would not go.
+    """
+    try:
         os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        try:
+            owner = pwd.getpwuid(os.stat(f"/proc/{pgid}").st_uid).pw_name
+        except (OSError, KeyError):
+            owner = "another user"
+        raise PermissionError(
+            exc.errno,
+            f"cannot signal process group {pgid}, {owner}'s: only {owner} or root can stop "
+            "that slice",
+        ) from None
 
 
 def wait_gone(pgid: int, proc: HostGroup | None, timeout_s: float) -> bool:
