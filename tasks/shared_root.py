@@ -14,6 +14,7 @@ step was deleted at the first save of a resumed run, which then failed, every at
 
 from __future__ import annotations
 
+import errno
 import os
 
 from infra.slices import registry_dir
@@ -29,7 +30,8 @@ CACHE_LOCK = ".lockfile"
 
 def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
     """Refuse, naming it with its owner and mode, the first existing file a run would open
-    for writing, or directory of its run directory, that this user cannot write.
+    for writing, or directory of its run directory, that this user cannot write. Nothing
+    is opened (see below), so nothing changes, not even for a watcher of the files.
 
     Raises:
         ConfigError: naming the field, the path, its owner and mode, and what to do.
@@ -51,19 +53,18 @@ def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
     if "://" not in plan.run_dir:
         files += [(run, os.path.join(plan.run_dir, name), "run_name") for name in APPENDED]
         files += [(run, path, "run_name") for path in _run_logs(plan.run_dir)]
-        for path in _run_directories(plan.run_dir):
-            if not os.access(path, os.W_OK | os.X_OK):
-                exc = PermissionError(13, "Permission denied")
-                raise ConfigError(f"{run}: {path} cannot be written{_said(path, exc, 'run_name')}")
+        files += [(run, path, "run_name") for path in _run_directories(plan.run_dir)]
     for field, path, other in files:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
-        except FileNotFoundError:
-            continue  # made by this run, as its umask says
-        except OSError as exc:
-            raise ConfigError(
-                f"{field}: {path} cannot be written{_said(path, exc, other)}"
-            ) from None
+        # Asked (access(2): it answers for root too on a read-only mount or an immutable
+        # file), never opened: closing a file drops every POSIX lock this process holds on
+        # it, and a sweep's trial landing in the DuckDB file (a thread of this process)
+        # then lost its lock to another process's writes; a FIFO opened for writing waits.
+        if os.access(path, os.W_OK | (os.X_OK if os.path.isdir(path) else 0)):
+            continue
+        if not os.path.lexists(path):
+            continue  # not there (yet, or any more: orbax renames and deletes steps)
+        exc = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        raise ConfigError(f"{field}: {path} cannot be written{_said(path, exc, other)}")
 
 
 def _said(path: str, exc: OSError, other: str) -> str:

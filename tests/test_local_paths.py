@@ -370,3 +370,33 @@ def test_relative_cache_places_of_a_gcs_root_are_checked_and_named(tmp_path, mon
         signal.alarm(0)
     assert str(err.value).startswith("XDG_CACHE_HOME = 'xdgfile': ")
     assert f"({tmp_path}/xdgfile is not a directory)" in str(err.value)
+
+
+def test_the_checks_leave_a_metrics_file_this_process_holds_locked(tmp_path):
+    # /tmp/s34/probeE/work/posix_lock2.py: a trial of a sweep validating (a thread) while
+    # another lands (this process's connection): the checks' open and close of the DuckDB
+    # file dropped DuckDB's lock, and another process wrote the file under it, rows lost.
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import duckdb
+
+    from infra.metrics.duckdb_file import file_lock
+
+    config = tiny_config(tmp_path)
+    path = plan_run(config).metrics_path
+    DuckDBSink(path).ensure_tables()
+    code = "import duckdb, sys; duckdb.connect(sys.argv[1]).close()"
+    validating = threading.Thread(target=check_local_paths, args=(config, plan_run(config)))
+    with file_lock(path):  # as DuckDBSink holds it while landing
+        held = duckdb.connect(path)
+        validating.start()
+        time.sleep(1.0)  # the check, unlocked, was done by now
+        other = subprocess.run(
+            [sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60
+        )
+        held.close()
+    validating.join(timeout=60)
+    assert other.returncode != 0 and "Conflicting lock is held" in other.stderr, other.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable
 from glob import escape as glob_escape
 from pathlib import Path
@@ -34,6 +35,20 @@ _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}
 LONGEST_SUFFIX = ".4194304-ffffffff.creating.wal"
 
 
+_FILE_LOCKS: dict[str, threading.Lock] = {}
+_FILE_LOCKS_GUARD = threading.Lock()
+
+
+def file_lock(path: str | os.PathLike[str]) -> threading.Lock:
+    """The lock this process's threads take turns on for the database at `path`: its
+    connections (`DuckDBSink`) and any other open of the file. Closing any descriptor of a
+    file drops every POSIX lock the process holds on it, DuckDB's included: a header read
+    beside a sweep trial's landing let another process write the file under it."""
+    key = os.path.realpath(path)
+    with _FILE_LOCKS_GUARD:
+        return _FILE_LOCKS.setdefault(key, threading.Lock())
+
+
 def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the existing file at `path` is not a DuckDB database, or None if it looks like one.
 
@@ -50,7 +65,7 @@ def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             return "it is not a regular file"  # and a FIFO's open() would wait for a writer
-        with open(path, "rb") as f:
+        with file_lock(path), open(path, "rb") as f:
             head = f.read(MAGIC_OFFSET + len(MAGIC))
             size = os.fstat(f.fileno()).st_size
     except OSError as e:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 import duckdb
 
-from infra.metrics.duckdb_file import create_database
+from infra.metrics.duckdb_file import create_database, file_lock
 from infra.metrics.duckdb_tables import prepare_table
 from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
@@ -43,17 +42,6 @@ from infra.metrics.rows import (
 
 class MetricsLocked(RuntimeError):
     """Another process kept the DuckDB file open past the sink's lock timeout."""
-
-
-_FILE_LOCKS: dict[str, threading.Lock] = {}
-_FILE_LOCKS_GUARD = threading.Lock()
-
-
-def _file_lock(path: Path) -> threading.Lock:
-    """The lock this process's threads take turns on for the database at `path`."""
-    key = os.path.realpath(path)
-    with _FILE_LOCKS_GUARD:
-        return _FILE_LOCKS.setdefault(key, threading.Lock())
 
 
 @contextlib.contextmanager
@@ -199,7 +187,7 @@ class DuckDBSink:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        with _file_lock(self.path):
+        with file_lock(self.path):
             if not os.path.lexists(self.path):
                 # Not DuckDB's own create: on a full disk it left a stub at the path that
                 # every later connect refuses (see `infra.metrics.duckdb_file`).
