@@ -45,8 +45,11 @@ def shard_corpus(cfg, out, progress=None):
     return real(cfg, out, progress=stalled)
 
 
-tasks.corpus.shard_corpus = shard_corpus
-sys.exit(main(sys.argv[2:]))
+# Guarded, as the `tpupipe` script is: a worker runs this file again before its first job,
+# and once its imports were fast enough (no Prefect) it started a second run of its own.
+if __name__ == "__main__":
+    tasks.corpus.shard_corpus = shard_corpus
+    sys.exit(main(sys.argv[2:]))
 """
 
 
