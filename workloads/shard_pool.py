@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -23,7 +24,12 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
-from workloads.pool_processes import forkserver_preload, init_worker, start_helpers
+from workloads.pool_processes import (
+    SHIELDED,
+    forkserver_preload,
+    init_worker,
+    start_helpers,
+)
 
 # Jobs in flight per worker: the one it runs and one queued behind it. Handing a worker its
 # next job takes the feeder thread the GIL, which the work in this process holds up to 5 ms
@@ -204,6 +210,11 @@ def _shared_map(pool: _Workers, fn: Callable, board: _Board) -> Iterator:
 
 def _feed(pool: _Workers, fn: Callable, board: _Board) -> None:
     """Keep each worker process that is up busy with claimed jobs until none is left."""
+    # A signal to the process is the main thread's to act on (it stops the pool). Taken
+    # by this thread, or by the executor's threads started from here (they inherit the
+    # mask), it waited for the main thread to return from a blocking call: a stopped
+    # `tpupipe shard` whose main thread slept in its progress callback ran on for a minute.
+    signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
     try:
         ready = pool.start()
     except RuntimeError:  # shut down before the workers were started: nothing to feed
