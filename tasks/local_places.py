@@ -10,7 +10,7 @@ from infra.metrics.duckdb_file import LONGEST_SUFFIX, database_file_problem
 from infra.slices import registry_dir
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
 from tasks.run_lock import locks_dir, owner_and_mode
-from tasks.shared_root import check_writable
+from tasks.shared_root import check_writable, metrics_field
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.config_infra import place_problem
@@ -27,9 +27,9 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
     """The local directories a run creates or writes in can be (beneath a local
     storage.root: `runs/<run_name>`, `datasets/`, `compile_cache/`, `slices/`, `locks/`;
     the dataset cache of a `gs://` one; TPUPIPE_COMPILE_CACHE, when it applies, checked as
-    a local storage.root is: no `~`, URI or blank value), the run's lock file, if there,
-    opens for writing, and the DuckDB file is a database DuckDB can open and write (or is
-    not there yet).
+    a local storage.root is: no `~`, URI or blank value), the DuckDB file is a database
+    (or is not there yet), and the files a run writes in place are writable
+    (`tasks.shared_root.check_writable`).
 
     Each of these passed validation and failed the run later: a storage root below a
     regular file or in a directory this user cannot write at its lock (exit 1), a storage
@@ -62,8 +62,7 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
         cache_field = {COMPILE_CACHE_ENV: shared} if shared is not None else root
         places.append((cache_field, plan.compile_cache_dir, True))
     if config.metrics.sink == "duckdb":
-        field = "metrics.path" if config.metrics.path else "storage.root"
-        value = config.metrics.path or config.storage.root
+        field, value = metrics_field(config)
         _check_metrics_file(field, value, plan.metrics_path)
         places.append(({field: value}, os.path.dirname(plan.metrics_path), True))
     if "://" not in plan.run_dir:  # the deepest directory a local run makes
@@ -138,9 +137,9 @@ def _cannot_create(path: str, write: bool = True) -> str | None:
         return f"created ({existing} {dangling})"
     if not os.path.isdir(existing):
         return f"created ({existing} is not a directory)"
-    verb = "written" if existing == path else "created"
     if not write and existing == path:
         return None  # there: a run that only reads it needs nothing more
+    verb = "written" if existing == path else "created"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{verb} ({existing} is not writable{owner_and_mode(existing)})"
     try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount

@@ -42,9 +42,9 @@ def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
     if config.slice.provider == "local":
         files.append((root, os.path.join(registry_dir(plan.slices_root), ".lock"), "storage.root"))
     if config.metrics.sink == "duckdb":
-        field = "metrics.path" if config.metrics.path else "storage.root"
-        value = f"{field} = {(config.metrics.path or config.storage.root)!r}"
-        files += [(value, plan.metrics_path, field), (value, f"{plan.metrics_path}.wal", field)]
+        field, value = metrics_field(config)
+        named = f"{field} = {value!r}"
+        files += [(named, plan.metrics_path, field), (named, f"{plan.metrics_path}.wal", field)]
     if "://" not in plan.compile_cache_dir:
         shared = shared_compile_cache(config)
         field = f"{COMPILE_CACHE_ENV} = {shared!r}" if shared else root
@@ -63,12 +63,18 @@ def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
             continue
         if not os.path.lexists(path):
             continue  # not there (yet, or any more: orbax renames and deletes steps)
-        exc = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        raise ConfigError(f"{field}: {path} cannot be written{_said(path, exc, other)}")
+        denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        raise ConfigError(
+            f"{field}: {path} cannot be written{owner_and_mode(path)}: {remedy(denied, other)}"
+        )
 
 
-def _said(path: str, exc: OSError, other: str) -> str:
-    return f"{owner_and_mode(path)}: {remedy(exc, other)}"
+def metrics_field(config: PipelineConfig) -> tuple[str, str]:
+    """The field that places the DuckDB file, and its value: `metrics.path` if set, else
+    `storage.root` (the file is `metrics.duckdb` beneath it)."""
+    if config.metrics.path:
+        return "metrics.path", config.metrics.path
+    return "storage.root", config.storage.root
 
 
 def _run_logs(run_dir: str) -> list[str]:
