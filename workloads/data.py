@@ -49,7 +49,6 @@ from workloads.manifest import (
     TMP_PREFIX,
     load_manifest,
     missing_shards,
-    sealed,
     shards_present,
     verify_shards,
     write_manifest,
@@ -159,7 +158,7 @@ def shard_dataset(
             _write(splits, run, progress)
         manifest = _manifest(fingerprint, cfg, tokenizer, files, splits)
         with write_errors(directory / MANIFEST, "the manifest"):  # a full disk, say
-            write_manifest(directory, manifest)
+            manifest = write_manifest(directory, manifest)  # sealed with its digest
         record_shard_stats(directory, manifest)
         shutil.rmtree(work, ignore_errors=True)
     if left := interrupted_builds(Path(out_root), directory):
@@ -277,23 +276,22 @@ def _manifest(
     files: list[SourceFile],
     splits: dict,
 ) -> dict:
-    return sealed(
-        {
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fingerprint,
-            "tokenizer": tokenizer.manifest_entry(),
-            "record": {
-                "dtype": tokenizer.dtype,
-                "length": cfg.seq_len + 1,
-                "byte_order": "little",
-                "eod": tokenizer.stored_eod,
-                "sequences": record_sequences(cfg.seq_len, tokenizer.dtype),
-            },
-            "seq_len": cfg.seq_len,
-            "splits": split_entries(splits, cfg.seq_len),
-            "sources": [
-                {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
-            ],
-            "options": byte_options(cfg, files),
-        }
-    )
+    """The dataset's manifest, before `write_manifest` seals it with its digest."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "tokenizer": tokenizer.manifest_entry(),
+        "record": {
+            "dtype": tokenizer.dtype,
+            "length": cfg.seq_len + 1,
+            "byte_order": "little",
+            "eod": tokenizer.stored_eod,
+            "sequences": record_sequences(cfg.seq_len, tokenizer.dtype),
+        },
+        "seq_len": cfg.seq_len,
+        "splits": split_entries(splits, cfg.seq_len),
+        "sources": [
+            {"uri": f.uri, "key": f.key, "size": f.size, "version": f.version} for f in files
+        ],
+        "options": byte_options(cfg, files),
+    }

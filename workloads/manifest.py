@@ -168,9 +168,10 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
+def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> dict:
     """Make the dataset durable and complete: fsync every shard and the directory, then
-    write the manifest atomically (temporary name, fsync, rename, directory fsync).
+    write `manifest`, sealed with its digest, atomically (temporary name, fsync, rename,
+    directory fsync). Returns the sealed manifest (`sealed`).
 
     The manifest must never be durable before the bytes it vouches for; until it exists,
     a crash leaves an incomplete dataset that no reader trusts and the next run redoes.
@@ -179,18 +180,29 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: dict) -> None:
         for shard in manifest["splits"][split]["shards"]:
             _fsync(Path(dataset_dir) / shard["name"])
     _fsync(dataset_dir)  # the shards' renames
+    manifest, text = _sealed_text(manifest)
     tmp = Path(dataset_dir) / f"{TMP_PREFIX}{MANIFEST}"
     with open(tmp, "w") as fh:
-        fh.write(manifest_text(manifest))
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, Path(dataset_dir) / MANIFEST)
     _fsync(dataset_dir)
+    return manifest
 
 
 def sealed(manifest: dict) -> dict:
-    """`manifest` with its digest (`DIGEST`): what a build hands `write_manifest`."""
-    return {**manifest, DIGEST: manifest_digest(manifest)}
+    """`manifest` with its digest (`DIGEST`), as `write_manifest` writes it."""
+    return _sealed_text(manifest)[0]
+
+
+def _sealed_text(manifest: dict) -> tuple[dict, str]:
+    """The sealed manifest and its text. Each field is encoded once, for the digest and
+    the text alike: encoding 1,790 sources took 8-9 ms, twice in a run's serial part."""
+    fields = _field_texts({k: v for k, v in manifest.items() if k != DIGEST})
+    digest = hashlib.sha256(_joined(fields).encode()).hexdigest()
+    fields[DIGEST] = _ENCODE(digest)
+    return {**manifest, DIGEST: digest}, _joined(fields)
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -235,16 +247,26 @@ def manifest_text(manifest: dict) -> str:
     serial part about 2x faster, since only JSON without indentation is encoded in C
     (1,790 sources: 8-13 vs 15-29 ms here, on a loaded machine). Keys sorted, so the
     bytes are deterministic."""
-    encode = json.JSONEncoder(sort_keys=True).encode
-    fields = []
-    for key in sorted(manifest):
-        value = manifest[key]
+    return _joined(_field_texts(manifest))
+
+
+_ENCODE = json.JSONEncoder(sort_keys=True).encode
+
+
+def _field_texts(manifest: dict) -> dict[str, str]:
+    """Each top-level field's text in `manifest_text`, by key."""
+    fields = {}
+    for key, value in manifest.items():
         if isinstance(value, list) and value:
-            text = "[\n  " + ",\n  ".join(map(encode, value)) + "\n ]"
+            fields[key] = "[\n  " + ",\n  ".join(map(_ENCODE, value)) + "\n ]"
         else:
-            text = encode(value)
-        fields.append(f" {encode(key)}: {text}")
-    return "{\n" + ",\n".join(fields) + "\n}\n"
+            fields[key] = _ENCODE(value)
+    return fields
+
+
+def _joined(fields: dict[str, str]) -> str:
+    lines = (f" {_ENCODE(key)}: {fields[key]}" for key in sorted(fields))
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def start_writeback(path: str | os.PathLike) -> None:
