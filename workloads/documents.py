@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # not at run time: worker processes need no pydantic
 # lines, so the user says which.
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+# Every name ending "auto" reads as JSONL, compressed or not, for one `endswith`: a run asks
+# for each file's format several times (fingerprint, manifest, reading), in its serial part too.
+_JSONL_ENDINGS = tuple(j + c for j in JSONL_SUFFIXES for c in ("", *compression.SUFFIXES))
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def file_format(name: str, configured: str) -> str:
     if configured != "auto":
         return configured
     lower = name.lower()
-    if compression.strip_suffix(lower).endswith(JSONL_SUFFIXES):
+    if lower.endswith(_JSONL_ENDINGS):
         return "jsonl"
     return "parquet" if lower.endswith(PARQUET_SUFFIXES) else "text"
 
