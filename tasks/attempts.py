@@ -19,15 +19,23 @@ killed, or its delete failed). It is stamped with that attempt's number, so it l
 attempt's group and the ledger bills the node until then; but the attempt's timeline, its
 invocation's span and so the wall time and goodput leave it out (`timed`): the time between
 a run and its rerun is nobody's time, though the node it left was billed.
+
+Except while the left workload trained on: an orchestrator killed outright leaves its
+workload running, and the steps it trains after its last event (the workload records
+checkpoints, not steps) are trained again by the attempt that resumes from an earlier
+checkpoint. `trained_after` places the last of those steps, from `metrics.jsonl`, on the
+abandoned attempt's clock: that work is lost time, and its invocation's.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 Groups = dict[int, list[dict]]  # attempt number -> its events, in time order
 
 LEFTOVER_DELETED = "leftover_deleted"
+TRAINED = "trained"  # not written: what `trained_after` derives from metrics.jsonl
 # Events that say what happened to an attempt's slice after the attempt: billed, not timed.
 AFTERMATH = frozenset({LEFTOVER_DELETED})
 
@@ -119,3 +127,45 @@ def stalled_in_a_row(events: list[dict], invocation: str | None) -> int:
             break
         count += 1
     return count
+
+
+def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[dict]:
+    """For each abandoned attempt (no `attempt_ended` and no `finished`, a later attempt
+    exists) whose workload logged steps after the attempt's last event, a `trained` event
+    at the last of them (see the module docstring), in that attempt's invocation.
+
+    Args:
+        events: every event of the run.
+        rows: reads the run's metrics rows (each with `step` and `time`); called only when
+            an abandoned attempt exists.
+
+    Returns:
+        The events to add to `events` for goodput and the ledger (none are written).
+    """
+    groups = by_attempt(events)
+    numbers = list(groups)
+    windows = []
+    for i, number in enumerate(numbers[:-1]):
+        own = timed(groups[number])
+        if not own or any(e["event"] in ("attempt_ended", "finished") for e in own):
+            continue
+        # Its workload trained until the next orchestrator deleted its slice, or at the
+        # latest until the next attempt began.
+        later = [e["time"] for n in numbers[i + 1 :] for e in timed(groups[n])]
+        stops = [e["time"] for e in groups[number] if e["event"] == LEFTOVER_DELETED]
+        windows.append((own[-1], min(later + stops, default=float("inf"))))
+    if not windows:
+        return []
+    logged = rows()
+    added = []
+    for last, stop in windows:
+        after = [r for r in logged if last["time"] < r["time"] < stop]
+        if after:
+            row = max(after, key=lambda r: r["time"])
+            # The raw attempt number and invocation of the attempt's own events, so that the
+            # ledger groups it as it groups them (old ledgers renumber attempts).
+            event = {"event": TRAINED, "attempt": last.get("attempt", 0), "time": row["time"]}
+            if "invocation" in last:
+                event["invocation"] = last["invocation"]
+            added.append({**event, "step": row["step"], "source": "metrics"})
+    return added

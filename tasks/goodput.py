@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 from etils import epath
 
-from tasks.attempts import by_attempt, invocation_spans, timed
+from tasks.attempts import by_attempt, invocation_spans, timed, trained_after
 from tasks.pricing import readable_pricing
-from workloads.rundir import MAX_TIME
+from workloads.events import EVENTS
+from workloads.rundir import MAX_TIME, RunDir
 
 BUCKETS = ("provisioning", "startup", "restore", "productive", "lost", "teardown", "idle")
 
@@ -124,6 +125,14 @@ def read_events(path: str | os.PathLike) -> list[dict]:
         if (event := _as_event(event)) is not None:
             events.append(event)
     return events
+
+
+def ledger_events(run_dir: str) -> list[dict]:
+    """The events goodput and the ledger read for the run in `run_dir`: its events.jsonl
+    (`read_events`), and the steps a workload whose orchestrator was killed trained after
+    its attempt's last event (`tasks.attempts.trained_after`), from its metrics.jsonl."""
+    events = read_events(f"{run_dir}/{EVENTS}")
+    return events + trained_after(events, RunDir(run_dir).read_metrics)
 
 
 def _number(value: object) -> bool:

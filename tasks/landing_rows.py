@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from infra.metrics import EvalMetricRow, RunRow, StepMetricRow
-from tasks.goodput import BUCKETS, read_events
+from tasks.goodput import BUCKETS, ledger_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.plan import RunPlan
 from tasks.pricing import price_or_unpriced
@@ -17,7 +17,6 @@ from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.evaluate import EvalResult
-from workloads.events import EVENTS
 from workloads.rundir import RunDir
 
 
@@ -98,7 +97,7 @@ def run_ledger(config: PipelineConfig, run_dir: str) -> Ledger:
     one recorded by an older version by the run's config."""
     # The validate stage checked the table; one broken since must not lose the row.
     price = price_or_unpriced(config)
-    events = read_events(f"{run_dir}/{EVENTS}")
+    events = ledger_events(run_dir)
     return compute_ledger(events, price, tokens_per_step(config))
 
 

@@ -15,12 +15,11 @@ from typing import Any
 
 from etils import epath
 
-from tasks.goodput import BUCKETS, AttemptTimeline, read_events
+from tasks.goodput import BUCKETS, AttemptTimeline, ledger_events
 from tasks.ledger import Ledger, compute_ledger, tokens_per_step
 from tasks.pricing import Price, price_for, recorded_price, reprice
 from workloads.config import CostConfig, PipelineConfig
 from workloads.config_file import ConfigError, load_workload_config
-from workloads.events import EVENTS
 from workloads.rundir import CONFIG, EVAL, RunDir, read_json
 
 log = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ def load_report(root: str, run_id: str, cost: CostConfig | None = None) -> RunRe
         if cost is not None:
             price_of = functools.partial(reprice, config)
 
-    ledger = compute_ledger(read_events(f"{run_dir}/{EVENTS}"), price, per_step, price_of)
+    ledger = compute_ledger(ledger_events(run_dir), price, per_step, price_of)
     return RunReport(
         run_id=run_id,
         run_dir=run_dir,
