@@ -40,6 +40,9 @@ class RunPlan(BaseModel):
     config_hash: str
     slice_name: str
     flow_run_id: str | None = None
+    # A rerun whose sources changed only their versions (`tasks.rerun.check_resumable`): the
+    # dataset it trained on, whose shards the one sharded now must equal before it resumes.
+    same_records_as: str | None = None
 
 
 def run_events(plan: RunPlan, attempt: int | None) -> EventLog:

@@ -17,7 +17,7 @@ from tasks.local_places import check_local_paths
 from tasks.plan import RunPlan, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
-from tasks.rerun import check_resumable
+from tasks.rerun import check_resumable, same_records_result
 from tasks.run_owner import check_run_owner
 from workloads import data
 from workloads.config import PipelineConfig
@@ -188,6 +188,9 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     remote = "://" in plan.datasets_root
     result = shard_corpus(config.dataset, shard_root(plan), progress=progress)
     progress.finish()
+    # A rerun over sources touched since goes on over the dataset it trained on, if the
+    # one just sharded holds its records.
+    result = same_records_result(plan, result)
     if remote:
         dataset_dir = publish_dataset(result.dataset_dir, plan.datasets_root, config)
         result = data.ShardResult(dataset_dir, result.manifest, result.cached)

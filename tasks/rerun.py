@@ -4,6 +4,7 @@ what changed and how to resume."""
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 
@@ -12,11 +13,14 @@ from etils import epath
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig, WorkloadConfig, training_fields
 from workloads.config_file import ConfigError, load_workload_config
-from workloads.data import same_records
+from workloads.data import ShardResult, same_records
 from workloads.documents import file_format
+from workloads.fingerprint import same_shards, times_only
 from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
 from workloads.rundir import CONFIG
 from workloads.sources import DatasetError, SourceFile
+
+log = logging.getLogger(__name__)
 
 # Defaults that changed between versions: a run created before, rerun with the same config
 # file, differs in the field without its user changing anything. Each says how to resume.
@@ -53,13 +57,16 @@ def check_resumable(
             data-iterator state saved in them, would then go on over other records. A
             dataset an older version built from the same sources and options, whose
             records hold the same ids (`workloads.data.same_records`), is no change: the run
-            resumes over the new one.
+            resumes over the new one. Nor are sources whose versions alone changed (a
+            `touch`, a copy, a checkout: `workloads.fingerprint.times_only`) when their
+            new shards turn out to be the run's own (`same_records_result`).
         files: The source files behind `fingerprint`, to name what changed.
 
     Returns:
         The plan to run with: for an existing run, with the hash its checkpoints carry (a
         run created by an older version of this code keeps its hash, so an upgrade does
-        not turn its checkpoints into another config's).
+        not turn its checkpoints into another config's), and with `same_records_as` when
+        only its sources' versions changed.
 
     Raises:
         ConfigError: naming every training field that differs from the stored run, or the
@@ -80,19 +87,69 @@ def check_resumable(
             f"training config ({'; '.join(diffs)}); resume it with its original config or "
             "choose a new run_name"
         )
+    plan = plan.model_copy(update={"config_hash": stored.config_hash})
     trained_on = posixpath.basename(stored.dataset_dir.rstrip("/"))
     if (
-        fingerprint is not None
-        and fingerprint != trained_on
-        and not same_records(stored.dataset_dir, config.dataset, files or [])
+        fingerprint is None
+        or fingerprint == trained_on
+        or same_records(stored.dataset_dir, config.dataset, files or [])
     ):
-        raise ConfigError(
-            f"run {plan.run_name!r} trained on dataset {trained_on} ({stored.dataset_dir}), "
-            f"but its sources now give dataset {fingerprint} "
-            f"({_changes(stored.dataset_dir, files or [])}); resuming or evaluating it again "
-            "would go on over other data. Restore them, or choose a new run_name"
+        return plan
+    if times_only(stored.dataset_dir, config.dataset, files or []):
+        # Files touched, copied or checked out again: told once the dataset is sharded,
+        # before anything is provisioned (`same_records_result`).
+        return plan.model_copy(update={"same_records_as": stored.dataset_dir})
+    raise ConfigError(
+        _other_data(
+            plan, stored.dataset_dir, fingerprint, _changes(stored.dataset_dir, files or [])
         )
-    return plan.model_copy(update={"config_hash": stored.config_hash})
+    )
+
+
+def same_records_result(plan: RunPlan, result: ShardResult) -> ShardResult:
+    """After sharding: what a rerun whose sources changed only their versions trains on.
+
+    The dataset it trained on, if the one just sharded has its shards byte for byte: the
+    same records, and the one its checkpoints' data-iterator states name. Any other run
+    gets `result` as it is.
+
+    Raises:
+        ConfigError: the shards differ (a file edited without changing its size), or the
+            dataset the run trained on can no longer be read.
+    """
+    if plan.same_records_as is None:
+        return result
+    trained = plan.same_records_as
+    try:
+        before = load_manifest(trained)
+    except (DatasetError, OSError) as exc:
+        raise ConfigError(_other_data(plan, trained, result.dataset_dir, str(exc))) from None
+    if not same_shards(before, result.manifest):
+        now = [
+            SourceFile(s["uri"], s["key"], s["size"], s["version"])
+            for s in result.manifest["sources"]
+        ]
+        changed = _changes(trained, now)
+        name = posixpath.basename(result.dataset_dir.rstrip("/"))
+        why = f"{changed}, each of the same size, but the shards they give are not the run's"
+        raise ConfigError(_other_data(plan, trained, name, why))
+    log.info(
+        "run %s: its sources' modification times changed, not their content (dataset %s "
+        "has the same shards): it goes on over %s",
+        plan.run_name,
+        result.dataset_dir,
+        trained,
+    )
+    return ShardResult(trained, before, cached=True)
+
+
+def _other_data(plan: RunPlan, trained_dir: str, now: str, why: str) -> str:
+    trained_on = posixpath.basename(trained_dir.rstrip("/"))
+    return (
+        f"run {plan.run_name!r} trained on dataset {trained_on} ({trained_dir}), but its "
+        f"sources now give dataset {now} ({why}); resuming or evaluating it again would go "
+        "on over other data. Restore them, or choose a new run_name"
+    )
 
 
 def _same_format(

@@ -87,3 +87,44 @@ def same_records(
         "tokenizer": load_tokenizer(cfg.tokenizer).fingerprint_entry(),
         "options": options,
     }
+
+
+def times_only(dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]) -> bool:
+    """Whether the local dataset in `dataset_dir`, built in this format, differs from what
+    `cfg` over `files` gives now only by its sources' versions (modification times, GCS
+    generations): the same files by name and size, the same tokenizer and options. A
+    `touch`, a copy or a checkout that keeps every byte, or one that edits a file but not
+    its size: only the new dataset's shards tell which (`same_shards`). False when the
+    manifest cannot be read.
+    """
+    try:
+        m = load_manifest(dataset_dir)
+        if m["format_version"] != FORMAT_VERSION:
+            return False  # another format's shards differ whatever the sources hold
+        stored = records_fields(m)
+        sources = [source[:3] for source in stored["sources"]]
+    except (DatasetError, OSError, KeyError, TypeError, AttributeError):
+        return False
+    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
+    return (
+        sources == [[f.uri, f.key, f.size] for f in files]
+        and stored["tokenizer"] == load_tokenizer(cfg.tokenizer).fingerprint_entry()
+        and stored["options"] == options
+    )
+
+
+def same_shards(before: dict, after: dict) -> bool:
+    """Whether two datasets' manifests list the same shards: names, record counts, sizes
+    and sha256, split by split. Then they hold the same records, whatever their sources'
+    versions say."""
+
+    def shards(manifest: dict) -> list:
+        return [
+            [(s.get("name"), s.get("records"), s.get("bytes"), s.get("sha256")) for s in split]
+            for split in (manifest["splits"][name]["shards"] for name in ("train", "eval"))
+        ]
+
+    try:
+        return shards(before) == shards(after)
+    except (KeyError, TypeError, AttributeError):
+        return False
