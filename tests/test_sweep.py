@@ -141,6 +141,26 @@ def test_a_trial_fills_in_again_what_its_base_s_sections_filled_in(tmp_path):
     assert {t.config.cost.priced_as for t in trials} == {"v5litepod-8"}
 
 
+def test_a_base_s_shard_workers_reach_every_trial_also_through_json(tmp_path):
+    # `dataset.workers` was left out of the config's dump: a sweep whose base set it failed
+    # in plan-sweep with a bare KeyError, and a config sent as JSON (a deployed sweep's
+    # trials, a deployment's parameter) fell back to the default.
+    base = PipelineConfig.model_validate(
+        {"dataset": {"workers": 2}, "storage": {"root": str(tmp_path)}}
+    )
+    assert PipelineConfig.model_validate(base.model_dump(mode="json")).dataset.workers == 2
+    space = SearchSpace(grid={"train.learning_rate": [1e-3, 3e-3]})
+    trials = build_trials(SweepConfig(base=base, space=space), "sw")
+    assert [t.config.dataset.workers for t in trials] == [2, 2]
+    # Still no training field: a rerun with other workers resumes the same run.
+    assert (
+        trials[0].config.config_hash()
+        == trials[0]
+        .config.model_copy(update={"dataset": base.dataset.model_copy(update={"workers": 1})})
+        .config_hash()
+    )
+
+
 def test_a_sweep_over_tpu_types_gives_each_trial_its_type_s_devices(tmp_path):
     # It was refused: every trial kept the base type's 8 devices, a field the user never set.
     gcp = {"provider": "gcp", "project": "my-project-1", "zone": "us-central1-a"}

@@ -71,13 +71,14 @@ class DatasetConfig(_Strict):
         description="Use whole source files, in order, until their sizes reach this many "
         "bytes (None: all files).",
     )
-    # exclude=True: the worker count never changes the shards' bytes, so it must not change
-    # the training hash either (a rerun with more workers resumes the same run).
+    # The worker count never changes the shards' bytes, so it is no training field either
+    # (`config._NOT_TRAINING`: a rerun with more workers resumes the same run). It is in the
+    # config's dump: left out (`exclude=True`), a sweep whose base set it failed with a
+    # KeyError, and a deployment's trials, sent their config as JSON, lost it.
     workers: Int = Field(
         0,
         ge=0,
         le=256,
-        exclude=True,
         description=(
             "Processes that shard, the calling one included (N starts N - 1 more); 0: one "
             "per CPU, or the calling process alone for under 32 MiB of sources. Does not "
