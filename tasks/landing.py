@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from datetime import datetime
 
+from etils import epath
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
@@ -20,7 +21,7 @@ from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
 )
 from tasks.plan import RunPlan, run_events
 from tasks.progress import loss_curve_link, write_loss_curve
-from tasks.run_owner import RunOwnerConflict, owner_problem
+from tasks.run_owner import RunOwnerConflict, earlier_life, owner_problem
 from workloads.checkpoint import VerifiedCheckpoint
 from workloads.config import PipelineConfig
 from workloads.evaluate import EvalResult
@@ -142,6 +143,17 @@ def land_metrics(
     # moved or copied root was said at the start.
     if (problem := owner_problem(config, plan, stored, say=False)) is not None:
         raise RunOwnerConflict(f"not landed: {problem}; this run's results stay in its directory")
+    if fresh := earlier_life(plan, stored):
+        logger.info(
+            "the rows of run %s in %s are of an earlier run of that name in %s (flow run %s, "
+            "started %s), deleted since: this run's replace them all",
+            run.run_id,
+            plan.metrics_path,
+            plan.run_dir,
+            stored.flow_run_id,
+            stored.started_at,
+        )
+        stored = None  # nothing of it is kept
     if error is not None and result is None and stored is not None and stored.eval_loss is not None:
         # A failed landing keeps the stored evaluation (landing_rule): it keeps the config
         # that evaluation was made with too. A rerun with other eval settings, stopped while
@@ -166,11 +178,14 @@ def land_metrics(
         )
         kept = {k: getattr(stored, k) if stored else None for k in LEDGER_COLUMNS}
         run = run.model_copy(update=kept)
-    landed = sink.land(run, steps, evals)
+    landed = sink.land(run, steps, evals, fresh=fresh)
     # The invocation whose row this is, recorded in the run directory (no attempt's: the
     # ledger counts no time for it): a moved storage root's runs are known by it
-    # (`tasks.run_owner.owner_problem`), a rerun that only evaluated again included.
+    # (`tasks.run_owner.owner_problem`), a rerun that only evaluated again included, and
+    # so is a run stopped before its directory existed (while sharding), whose next
+    # invocation is no new run of the name (`tasks.run_owner.earlier_life`).
     try:
+        epath.Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
         run_events(plan, None).emit("landed", status=run.status)
     except Exception as exc:  # landed: the record only helps a later move of the root
         logger.warning("could not record the landing in %s/events.jsonl: %s", plan.run_dir, exc)

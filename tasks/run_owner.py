@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import UTC
 
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
@@ -112,6 +113,28 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row, say: bool = True) 
         f"run's directory is {plan.run_dir}. Its rows would be replaced by and mixed with "
         "this run's: give this run another run_name, or another metrics sink"
     )
+
+
+def earlier_life(plan: RunPlan, row) -> bool:
+    """Whether `row`, the landed `runs` row of this run's name, is an earlier run's whose
+    directory was at this run's path and was deleted since: the row names this directory,
+    but the directory holds neither the invocation that landed the row nor any event from
+    before that run ended, and that run got as far as a slice. Its rows are replaced
+    whole by this run's landing
+    (`infra.metrics.landing_rule`: `fresh`); it kept their `started_at` (the row's start
+    predated the run's first event), and a failed landing their results too."""
+    if row is None or row.run_dir is None or row.flow_run_id is None or not row.attempts:
+        return False  # an earlier invocation that never provisioned: nothing of it to tell
+    if not same_directory(row.run_dir, plan.run_dir):
+        return False
+    events = event_lines(plan.run_dir)
+    if any(e.get("invocation") == row.flow_run_id for e in events):
+        return False
+    times = [e["time"] for e in events if isinstance(e.get("time"), int | float)]
+    ended = row.finished_at or row.started_at
+    if ended.tzinfo is None:  # stored as UTC
+        ended = ended.replace(tzinfo=UTC)
+    return bool(times) and min(times) > ended.timestamp()
 
 
 def recorded_invocations(run_dir: str) -> set[str]:

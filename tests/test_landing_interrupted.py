@@ -348,3 +348,31 @@ def test_a_step_past_the_final_one_is_quarantined_without_provisioning(finished,
     assert str(final) in kept and "1000" not in kept
     (moved,) = (run_dir / "quarantine").iterdir()
     assert moved.name.startswith("1000-")
+
+
+def test_a_run_stopped_before_its_directory_existed_keeps_its_start_when_run_again(
+    tmp_path, monkeypatch, prefect_harness
+):
+    # Stopped while sharding, its landing could not record itself in the run directory,
+    # which did not exist yet ("could not record the landing in .../events.jsonl", a
+    # warning on every such stop). Now it makes it: the next invocation is the same run
+    # (its row keeps the first start), not a new run of the name over an old row.
+    from flows import pipeline
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.run_owner import recorded_invocations
+
+    config = tiny_config(tmp_path, "run_name=early")
+    metrics = tmp_path / "metrics.duckdb"
+    run_dir = tmp_path / "runs" / "early"
+
+    def stopped_while_sharding(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "shard_dataset", stopped_while_sharding)
+        with pytest.raises(KeyboardInterrupt):
+            tpu_training_pipeline(config=config)
+    first = DuckDBSink(metrics).read_run("early")
+    assert first.status == "failed" and first.flow_run_id in recorded_invocations(str(run_dir))
+    assert tpu_training_pipeline(config=config).status == "completed"
+    assert DuckDBSink(metrics).read_run("early").started_at == first.started_at

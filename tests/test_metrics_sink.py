@@ -232,6 +232,23 @@ def test_a_runs_started_at_stays_its_first_start_over_later_landings(sink):
     assert sink.read_run("run-1").started_at == earlier
 
 
+def test_a_fresh_landing_replaces_every_row_an_earlier_run_of_the_name_left(sink):
+    # The run directory was deleted and the name run again (`tasks.run_owner.earlier_life`):
+    # the rows are the new run's alone, its later start included, even when it failed.
+    sink.land(run_row(eval_loss=2.5, params_sha256="abc", final_step=12), run_steps(), evals())
+    sink.land(run_row("run-2", final_step=3), run_steps("run-2", last=3), [])
+    later = T0 + timedelta(days=2)
+    new = run_row(started_at=later, status="failed", error="SIGTERM", final_step=3)
+    assert sink.land(new, run_steps(last=3, offset=1.0), [], fresh=True) == LandResult(1, 3, 0)
+    row = sink.read_run("run-1")
+    assert (row.started_at, row.status, row.final_step) == (later, "failed", 3)
+    assert (row.eval_loss, row.params_sha256) == (None, None)
+    assert counts(sink) == (2, 6, 0)
+    # Landed again as usual, it keeps its own start.
+    sink.land(run_row(started_at=later + timedelta(hours=1), final_step=3), run_steps(last=3), [])
+    assert sink.read_run("run-1").started_at == later
+
+
 def test_an_older_sweeps_table_gains_the_cost_columns(tmp_path):
     sink = DuckDBSink(tmp_path / "m.duckdb")
     # The sweeps table as the first sweep landings created it, before the cost ledger.

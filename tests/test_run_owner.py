@@ -3,14 +3,15 @@ sharded or provisioned (tasks/run_owner.py)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from flows.cli import main as cli_main
 from infra.metrics import DuckDBSink, RunRow
 from tasks.plan import plan_run
-from tasks.run_owner import check_run_owner
+from tasks.run_owner import check_run_owner, earlier_life
 from tests.helpers import REPO, tiny_config
 from workloads.config_file import ConfigError
 
@@ -99,3 +100,46 @@ def test_a_sweep_is_refused_before_any_trial_when_a_trial_landed_from_elsewhere(
     assert "/elsewhere/runs/sw-t01" in str(err.value) and "trial 0" not in str(err.value)
     # Deployed trials land from their worker, whose metrics file is not this one.
     check_trials(trials, local_inputs=False)
+
+
+def test_a_row_of_an_earlier_run_whose_directory_was_deleted_is_told_apart(tmp_path):
+    # `rm -rf runs/x1` and the name run again: the row still names runs/x1, but its flow
+    # run is in no event of the new directory, which starts after that run ended. Its
+    # landing replaced all but started_at, and a failed one kept the old run's results.
+    from workloads.events import EventLog
+
+    config = tiny_config(tmp_path, "run_name=x1")
+    plan = plan_run(config, "flow-new")
+    Path(plan.run_dir).mkdir(parents=True)
+    ended = datetime.now(UTC) - timedelta(hours=1)
+    row = RunRow(
+        run_id="x1",
+        run_name="x1",
+        status="completed",
+        config_hash="h",
+        config_json="{}",
+        dataset_fingerprint="fp",
+        started_at=ended - timedelta(minutes=5),
+        finished_at=ended,
+        run_dir=plan.run_dir,
+        flow_run_id="flow-old",
+        attempts=1,
+    )
+    assert not earlier_life(plan, row)  # no event yet: nothing to tell by
+    EventLog(plan.run_dir, 1, source="orchestrator", invocation="flow-new").emit(
+        "provision_requested"
+    )
+    assert earlier_life(plan, row)
+    assert earlier_life(plan, row.model_copy(update={"finished_at": None}))
+    # The same run: its directory holds the flow run that landed the row...
+    assert not earlier_life(plan, row.model_copy(update={"flow_run_id": "flow-new"}))
+    # ...or events from before it ended (an older version's, with no flow run).
+    old = row.model_copy(update={"finished_at": datetime.now(UTC) + timedelta(hours=1)})
+    assert not earlier_life(plan, old)
+    # Another directory's row is `owner_problem`'s to refuse, a row without a flow run
+    # (landed by an older version) is taken as this run's.
+    assert not earlier_life(plan, row.model_copy(update={"run_dir": str(tmp_path / "other")}))
+    assert not earlier_life(plan, row.model_copy(update={"flow_run_id": None}))
+    # An invocation stopped before it provisioned (while sharding, before this directory
+    # existed) is the same run's first: its start stays the row's.
+    assert not earlier_life(plan, row.model_copy(update={"attempts": 0}))

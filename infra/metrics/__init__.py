@@ -38,11 +38,16 @@ class MetricsSink(Protocol):
         ...
 
     def land(
-        self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
+        self,
+        run: RunRow,
+        steps: Sequence[StepMetricRow],
+        evals: Sequence[EvalMetricRow],
+        fresh: bool = False,
     ) -> LandResult:
         """Land the run's rows atomically and idempotently: a completed run's replace its
         stored rows; a failed run's are added or updated and keep the stored rows and
-        results they have no value for (the landing rule in `infra.metrics.rows`)."""
+        results they have no value for; a `fresh` one's replace them all (the landing rule
+        in `infra.metrics.landing_rule`)."""
         ...
 
     def land_sweep(self, rows: Sequence[SweepRow]) -> int:

@@ -151,12 +151,16 @@ class BigQuerySink:
         )
 
     def land(
-        self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
+        self,
+        run: RunRow,
+        steps: Sequence[StepMetricRow],
+        evals: Sequence[EvalMetricRow],
+        fresh: bool = False,
     ) -> LandResult:
         """Land the rows of `run.run_id`, once each, by `infra.metrics.landing_rule`: a
         completed run's replace the stored ones (stored step rows it lacks up to its final
         step stay); a failed run's are added or updated, and the stored rows and results it
-        has no value for are kept.
+        has no value for are kept; a `fresh` run's replace every stored row.
 
         A step given twice (re-run after a resume) keeps its last row; likewise an eval's
         (step, split). See the module docstring for why a re-run cannot duplicate rows.
@@ -175,11 +179,17 @@ class BigQuerySink:
         by_table = {RunRow.table: [run], **dedupe([*steps, *evals])}
         statements = []
         for model in self.models:
-            rows, rule = by_table.get(model.table, []), landing_rule(model, run)
+            rows, rule = by_table.get(model.table, []), landing_rule(model, run, fresh)
             if rows:
                 self._stage(model, run.run_id, rows)
                 statements.append(
-                    self._merge_sql(model, run.run_id, kept=rule.kept, deletes=rule.where("T."))
+                    self._merge_sql(
+                        model,
+                        run.run_id,
+                        kept=rule.kept,
+                        deletes=rule.where("T."),
+                        earliest=rule.earliest,
+                    )
                 )
             elif (where := rule.where()) is not None:
                 statements.append(
@@ -314,10 +324,12 @@ class BigQuerySink:
         scope_column: str = "run_id",
         kept: Sequence[str] = (),
         deletes: str | None = "TRUE",
+        earliest: bool = True,
     ) -> str:
         """The MERGE of `scope`'s staging table into the model's (`bigquery_sql.merge_sql`)."""
         staging = self._staging(model, scope)
-        return merge_sql(model, self._table(model), staging, scope, scope_column, kept, deletes)
+        table = self._table(model)
+        return merge_sql(model, table, staging, scope, scope_column, kept, deletes, earliest)
 
     def _query(self, sql: str, run_id: str | None = None) -> Any:
         timeout = min(CONFLICT_RETRY.timeout, self.patience_s or CONFLICT_RETRY.timeout)

@@ -62,6 +62,7 @@ def merge_sql(
     scope_column: str = "run_id",
     kept: Sequence[str] = (),
     deletes: str | None = "TRUE",
+    earliest: bool = True,
 ) -> str:
     """The MERGE of the staging table into its target on the model's primary key.
 
@@ -75,16 +76,17 @@ def merge_sql(
         deletes: which target rows of `scope` absent from the staging table are deleted:
             a condition on the target row `T` ("TRUE": every one), or None for none
             (`infra.metrics.landing_rule.LandingRule.where`).
+        earliest: whether the model's `earliest_fields` keep an earlier stored value.
 
     Returns:
         One MERGE statement.
     """
-    # An earliest column (the run's `started_at`) never moves later.
+    # An earliest column (the run's `started_at`) never moves later, but in a fresh landing.
     columns = [c.name for c in table_schema(model)]
     key = " AND ".join(f"T.{k} = S.{k}" for k in model.primary_key)
     updates = ", ".join(
         f"{c} = LEAST(S.{c}, T.{c})"
-        if c in model.earliest_fields
+        if earliest and c in model.earliest_fields
         else f"{c} = COALESCE(S.{c}, T.{c})"
         if c in kept
         else f"{c} = S.{c}"

@@ -77,12 +77,16 @@ class DuckDBSink:
             self._create_tables(con)
 
     def land(
-        self, run: RunRow, steps: Sequence[StepMetricRow], evals: Sequence[EvalMetricRow]
+        self,
+        run: RunRow,
+        steps: Sequence[StepMetricRow],
+        evals: Sequence[EvalMetricRow],
+        fresh: bool = False,
     ) -> LandResult:
         """Land the rows of `run.run_id`, atomically, by `infra.metrics.landing_rule`: a
         completed run's replace the stored ones (stored step rows it lacks up to its final
         step stay); a failed run's are added or updated, and the stored rows and results it
-        has no value for are kept.
+        has no value for are kept; a `fresh` run's replace every stored row.
 
         Landing the same run again leaves one copy of each row. A step given twice (re-run
         after a resume) keeps its last row; likewise an eval's (step, split).
@@ -109,13 +113,14 @@ class DuckDBSink:
             # In one transaction, as BigQuery's MERGE with "WHEN NOT MATCHED BY SOURCE AND
             # <the rule's condition> THEN DELETE" does it.
             with _transaction(con):
+                rule = landing_rule(RunRow, run, fresh)
                 tables: list[tuple[type[TableRow], Sequence[TableRow]]] = [
-                    (RunRow, [_keep_stored(con, run, landing_rule(RunRow, run).kept)]),
+                    (RunRow, [_keep_stored(con, run, rule.kept, rule.earliest)]),
                     (StepMetricRow, step_rows),
                     (EvalMetricRow, eval_rows),
                 ]
                 for model, rows in tables:
-                    where = landing_rule(model, run).where()
+                    where = landing_rule(model, run, fresh).where()
                     if where is not None:
                         con.execute(
                             f"DELETE FROM {model.table} WHERE run_id = ? AND {where}", [run.run_id]
@@ -275,10 +280,15 @@ def _on_conflict_update(model: type[TableRow]) -> str:
     return f" ON CONFLICT ({keys}) DO UPDATE SET {', '.join(sets)}"
 
 
-def _keep_stored(con: duckdb.DuckDBPyConnection, run: RunRow, kept: Sequence[str]) -> RunRow:
-    """`run` with each of `RunRow.earliest_fields` no later than the stored row's, and each
-    column of `kept` it has no value for taken from the stored row."""
-    names = [*RunRow.earliest_fields, *kept]
+def _keep_stored(
+    con: duckdb.DuckDBPyConnection, run: RunRow, kept: Sequence[str], earliest: bool = True
+) -> RunRow:
+    """`run` with each of `RunRow.earliest_fields` no later than the stored row's (unless
+    not `earliest`), and each column of `kept` it has no value for taken from the stored
+    row."""
+    names = [*(RunRow.earliest_fields if earliest else ()), *kept]
+    if not names:
+        return run
     query = f"SELECT {', '.join(names)} FROM {RunRow.table} WHERE run_id = ?"
     stored = con.execute(query, [run.run_id]).fetchone()
     if stored is None:
@@ -286,7 +296,9 @@ def _keep_stored(con: duckdb.DuckDBPyConnection, run: RunRow, kept: Sequence[str
     update = {}
     for name, old in zip(names, stored, strict=True):
         new = getattr(run, name)
-        if old is not None and (new is None or (name in RunRow.earliest_fields and old < new)):
+        if old is not None and (
+            new is None or (earliest and name in RunRow.earliest_fields and old < new)
+        ):
             update[name] = old
     return run.model_copy(update=update) if update else run
 

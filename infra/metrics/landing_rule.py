@@ -18,6 +18,12 @@ the stored results (`RunRow.result_fields`) it has no value for. A rerun of a fi
 that is stopped before it evaluates again thus leaves the run's evaluation and summary
 numbers as they were, with its row failed and the signal as its error, as its exit code
 says; running it again lands it completed.
+
+Either way the `runs` row keeps the earliest `started_at` (`RunRow.earliest_fields`): every
+invocation of a run name lands its row again. Except a `fresh` landing, of a run whose
+directory was made anew (deleted, then run again under the same name: see
+`tasks.run_owner.earlier_life`): its rows replace every stored row of the run, which were
+another run's, and nothing of them is kept, `started_at` included.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class LandingRule(NamedTuple):
     deletes: str | int
     # Columns a NULL in the new row does not overwrite: the stored value stays.
     kept: tuple[str, ...]
+    # Whether the model's `earliest_fields` keep the stored value when it is earlier.
+    earliest: bool = True
 
     def where(self, prefix: str = "") -> str | None:
         """The delete's SQL condition on a stored row (`prefix`: its table alias and a dot),
@@ -46,8 +54,10 @@ class LandingRule(NamedTuple):
         return f"{prefix}step > {int(self.deletes)}"
 
 
-def landing_rule(model: type[TableRow], run: RunRow) -> LandingRule:
+def landing_rule(model: type[TableRow], run: RunRow, fresh: bool = False) -> LandingRule:
     """The rule for landing `run`'s rows of `model`'s table (see the module docstring)."""
+    if fresh:
+        return LandingRule("all", (), earliest=False)
     if run.status != "completed":
         return LandingRule("none", model.result_fields)
     if model is StepMetricRow:

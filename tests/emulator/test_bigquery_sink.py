@@ -234,6 +234,21 @@ def test_a_runs_started_at_stays_its_first_start_over_later_landings(sink):
     assert sink.read_run("r1").started_at == T0
 
 
+def test_a_fresh_landing_replaces_every_row_an_earlier_run_of_the_name_left(sink):
+    # The run directory was deleted and the name run again: its rows are the new run's
+    # alone, its start included, even when it failed (results and rows not kept).
+    run, steps, evals = rows(steps=range(1, 13))
+    sink.land(run.model_copy(update={"eval_loss": 2.5}), steps, evals)
+    new, new_steps, _ = rows(steps=range(1, 4), status="failed")
+    later = {"started_at": T0 + timedelta(days=2), "error": "SIGTERM", "train_loss_last": None}
+    sink.land(new.model_copy(update=later), new_steps, [], fresh=True)
+    row = sink.read_run("r1")
+    assert (row.started_at, row.status, row.final_step) == (T0 + timedelta(days=2), "failed", 3)
+    assert (row.eval_loss, row.train_loss_last) == (None, None)
+    assert count(sink, "step_metrics", "r1") == 3
+    assert count(sink, "eval_metrics", "r1") == 0
+
+
 def test_a_run_id_that_would_need_escaping_is_refused(sink):
     run, steps, evals = rows(run_id="r1'; DROP TABLE runs; --")
     with pytest.raises(ValueError, match="must match"):
