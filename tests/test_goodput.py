@@ -179,3 +179,20 @@ def test_a_finished_workload_whose_orchestrator_was_killed_reads_finished():
     assert any(e["event"] == "finished" for e in orphan)
     assert [t.outcome for t in attempt_timelines(orphan)] == ["finished"]
     assert compute_goodput(orphan).preemptions == 0
+
+
+def test_an_attempt_whose_workload_finished_before_its_orchestrator_failed_completed():
+    # A sweep stopped 0.4 s after a trial's workload finished, before the watch looked
+    # again: its attempt read "failed" in the report, beside the run's "completed".
+    done = attempt_events(1, 0, 0, 10, "completed", invocation="a")
+    stopped = [
+        {**e, "outcome": "failed", "reason": "WatchStopped: stopped after step 10"}
+        if e["event"] == "attempt_ended"
+        else e
+        for e in done
+    ]
+    (line,) = attempt_timelines(stopped)
+    assert (line.outcome, line.steps_kept) == ("completed", 10)
+    # One that failed without finishing still reads failed.
+    failed = [e for e in stopped if e["event"] != "finished"]
+    assert [t.outcome for t in attempt_timelines(failed)] == ["failed"]
