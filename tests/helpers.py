@@ -252,3 +252,17 @@ def immutable(path: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def six_document_run(tmp_path: Path) -> tuple[Path, PipelineConfig]:
+    """A corpus of six small documents and a run config sharding it into one shard."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
+    cfg = PipelineConfig(
+        run_name="r",
+        storage={"root": str(tmp_path / "root")},
+        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
+    )
+    return corpus, cfg

@@ -10,7 +10,7 @@ import pytest
 from flows.cli import main as cli_main
 from tasks.plan import plan_run, write_workload_config
 from tasks.rerun import check_resumable
-from tests.helpers import REPO
+from tests.helpers import REPO, six_document_run
 from workloads.config import PipelineConfig, padded_vocab_size
 from workloads.config_file import ConfigError, load_config
 
@@ -246,25 +246,11 @@ def test_cli_validate_says_when_the_run_is_training_now(tmp_path, capsys):
         assert "note: run 'busy' is training now" in out and "at step 9" in out and then in out
 
 
-def _six_document_run(tmp_path: Path) -> tuple[Path, PipelineConfig]:
-    """A corpus of six small documents and a run config sharding it into one shard."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
-    cfg = PipelineConfig(
-        run_name="r",
-        storage={"root": str(tmp_path / "root")},
-        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
-    )
-    return corpus, cfg
-
-
 def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
     from tasks.prepare import check_inputs
     from workloads import data
 
-    corpus, cfg = _six_document_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     plan = plan_run(cfg)
     result = data.shard_dataset(cfg.dataset, plan.datasets_root)
     write_workload_config(cfg, plan, result.dataset_dir)
@@ -289,7 +275,7 @@ def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp
     from tests.helpers import as_format_4
     from workloads import data
 
-    corpus, cfg = _six_document_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     plan = plan_run(cfg)
     result = data.shard_dataset(cfg.dataset, plan.datasets_root)
     old = as_format_4(result.dataset_dir, tmp_path / "root" / "datasets" / "00000000000000v4")
@@ -333,7 +319,7 @@ def test_a_run_made_before_format_auto_was_the_default_resumes_with_its_config(t
     from tasks.prepare import check_inputs
     from workloads import data
 
-    corpus, cfg = _six_document_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     before = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"format": "text"})})
     plan = plan_run(before)
     result = data.shard_dataset(before.dataset, plan.datasets_root)

@@ -19,23 +19,11 @@ import pytest
 from tasks.plan import plan_run, write_workload_config
 from tasks.prepare import check_inputs
 from tasks.rerun import same_records_result
+from tests.helpers import six_document_run
 from workloads import data
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.fingerprint import same_shards, times_only
-
-
-def corpus_run(tmp_path: Path) -> tuple[Path, PipelineConfig]:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
-    cfg = PipelineConfig(
-        run_name="r",
-        storage={"root": str(tmp_path / "root")},
-        dataset={"sources": [str(corpus)], "seq_len": 16, "num_shards": 1, "eval_fraction": 0.3},
-    )
-    return corpus, cfg
 
 
 def trained(cfg: PipelineConfig) -> str:
@@ -52,7 +40,7 @@ def bump_mtime(path: Path) -> None:
 
 
 def test_a_touched_source_resumes_over_the_dataset_the_run_trained_on(tmp_path):
-    corpus, cfg = corpus_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     before = trained(cfg)
     bump_mtime(corpus / "2.txt")
     files = data.resolve_sources(cfg.dataset.sources)
@@ -70,7 +58,7 @@ def test_a_touched_source_resumes_over_the_dataset_the_run_trained_on(tmp_path):
 
 
 def test_a_source_edited_to_the_same_size_is_refused_once_sharded(tmp_path):
-    corpus, cfg = corpus_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     before = trained(cfg)
     text = (corpus / "3.txt").read_text()
     (corpus / "3.txt").write_text("X" + text[1:])  # same size, other bytes
@@ -86,7 +74,7 @@ def test_a_source_edited_to_the_same_size_is_refused_once_sharded(tmp_path):
 
 
 def test_other_changes_are_refused_before_anything_is_sharded(tmp_path):
-    corpus, cfg = corpus_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
     before = trained(cfg)
     (corpus / "2.txt").write_text("a shorter document")  # another size
     with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
@@ -107,7 +95,7 @@ def test_the_pipeline_s_shard_stage_resumes_a_touched_run_over_its_dataset(
 
     from tasks.prepare import shard_dataset, validate_config
 
-    corpus, cfg = corpus_run(tmp_path)
+    corpus, cfg = six_document_run(tmp_path)
 
     @flow
     def shard_only() -> str:
