@@ -119,10 +119,9 @@ def earlier_life(plan: RunPlan, row) -> bool:
     """Whether `row`, the landed `runs` row of this run's name, is an earlier run's whose
     directory was at this run's path and was deleted since: the row names this directory,
     but the directory holds neither the invocation that landed the row nor any event from
-    before that run ended, and that run got as far as a slice. Its rows are replaced
-    whole by this run's landing
-    (`infra.metrics.landing_rule`: `fresh`); it kept their `started_at` (the row's start
-    predated the run's first event), and a failed landing their results too."""
+    before that run ended, and that run got as far as a slice. Its rows are replaced whole
+    by this run's landing (`infra.metrics.landing_rule`: `fresh`); kept, the row's start
+    predated this run's first event, and a failed landing kept that run's results too."""
     if row is None or row.run_dir is None or row.flow_run_id is None or not row.attempts:
         return False  # an earlier invocation that never provisioned: nothing of it to tell
     if not same_directory(row.run_dir, plan.run_dir):
