@@ -62,8 +62,10 @@ def _same_configs(trials: list[Trial]) -> list[str]:
     first: dict[str, Trial] = {}
     problems = []
     for trial in trials:
-        # model.size is a label: the dimensions it filled in are compared.
-        key = trial.config.model_dump_json(exclude={"run_name": True, "model": {"size"}})
+        # model.size is a label: the dimensions it filled in are compared; the sharding
+        # workers give the same dataset.
+        exclude = {"run_name": True, "model": {"size"}, "dataset": {"workers"}}
+        key = trial.config.model_dump_json(exclude=exclude)
         if key in first:
             other = first[key]
             problems.append(

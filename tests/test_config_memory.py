@@ -13,6 +13,7 @@ from workloads import config_memory
 from workloads.config import ModelConfig, param_count
 from workloads.config_file import ConfigError, load_config
 from workloads.config_memory import GIB, host_memory_bytes, memory_problems
+from workloads.events import event_lines
 
 MIB = 2**20
 
@@ -296,7 +297,8 @@ def test_an_eval_batch_this_host_cannot_hold_stops_the_run_before_provisioning(
     err = capsys.readouterr().err
     assert f"eval.batch_size = 1000000000000: a batch of {records} of the eval split's" in err
     run_dir = tmp_path / "runs" / "evalmem"
-    assert not (run_dir / "events.jsonl").exists()  # no attempt: nothing was provisioned
+    # No attempt, nothing provisioned: only the failed landing is recorded.
+    assert [e["event"] for e in event_lines(str(run_dir))] == ["landed"]
     assert not (run_dir / "config.json").exists()
 
 

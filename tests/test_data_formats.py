@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.test_data import read_records
 from workloads import data, input
-from workloads.config import DatasetConfig
+from workloads.config import DatasetConfig, PipelineConfig
 from workloads.data import DatasetError
 from workloads.documents import ReadOptions, iter_documents
 from workloads.sources import SourceFile
@@ -412,8 +412,11 @@ def test_a_dotted_text_field_reads_nested_json_and_struct_columns(tmp_path):
 def test_options_that_do_not_fit_the_format_are_refused():
     with pytest.raises(ValueError, match=re.escape("text_unit = 'line' applies to")):
         DatasetConfig(format="jsonl", text_unit="line")
-    # The worker count is left out of dumps, so it never changes the training hash.
-    assert "workers" not in json.loads(DatasetConfig(workers=3).model_dump_json())
+    # The worker count never changes the training hash (`config._NOT_TRAINING`), though a
+    # config sent as JSON keeps it.
+    assert json.loads(DatasetConfig(workers=3).model_dump_json())["workers"] == 3
+    three = PipelineConfig(dataset={"workers": 3})
+    assert three.config_hash() == PipelineConfig().config_hash()
 
 
 def test_bad_input_found_by_a_worker_process_is_raised_with_its_place(tmp_path):

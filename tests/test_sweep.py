@@ -152,13 +152,13 @@ def test_a_base_s_shard_workers_reach_every_trial_also_through_json(tmp_path):
     space = SearchSpace(grid={"train.learning_rate": [1e-3, 3e-3]})
     trials = build_trials(SweepConfig(base=base, space=space), "sw")
     assert [t.config.dataset.workers for t in trials] == [2, 2]
-    # Still no training field: a rerun with other workers resumes the same run.
-    assert (
-        trials[0].config.config_hash()
-        == trials[0]
-        .config.model_copy(update={"dataset": base.dataset.model_copy(update={"workers": 1})})
-        .config_hash()
-    )
+    # Still no training field: a rerun with other workers resumes the same run, and a
+    # sweep over it trains one config twice.
+    one = base.dataset.model_copy(update={"workers": 1})
+    assert base.model_copy(update={"dataset": one}).config_hash() == base.config_hash()
+    space = SearchSpace(grid={"dataset.workers": [1, 2]})
+    with pytest.raises(ConfigError, match=r"trials 0 and 1 .* train the same config"):
+        build_trials(SweepConfig(base=base, space=space), "sw")
 
 
 def test_a_sweep_over_tpu_types_gives_each_trial_its_type_s_devices(tmp_path):
