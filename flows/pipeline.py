@@ -18,7 +18,7 @@ import flows  # noqa: F401
 from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, finished_training, verify_checkpoint
 from tasks.landing import land_failure, land_metrics, publish_summary
-from tasks.prepare import shard_dataset, validate_config
+from tasks.prepare import check_same_records, shard_dataset, validate_config
 from tasks.run_lock import run_held
 from tasks.teardown import delete_flow_run_slices
 from tasks.training import slice_torn_down, train_with_retries
@@ -40,6 +40,7 @@ def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow: 
     started = datetime.now(UTC)
     plan = validate_config(config, str(runtime.flow_run.id or "") or None)
     with run_held(plan, config):  # RunInUse if another orchestrator runs it: nothing spent, no row
+        check_same_records(config, plan)  # sources touched since: refused like validate's
         verified = result = None
         try:
             config_path = shard_dataset(config, plan)

@@ -35,6 +35,7 @@ __all__ = [
     "check_inputs",
     "check_local_paths",
     "check_memory",
+    "check_same_records",
     "check_slice_access",
     "shard_corpus",
     "shard_dataset",
@@ -171,6 +172,26 @@ def validate_config(config: PipelineConfig, flow_run_id: str | None = None) -> R
     logger.info("run %s: %d source files, run directory %s", plan.run_id, files, plan.run_dir)
     logger.info("cost: %d chips, %s", price.chips, price.describe())
     return plan
+
+
+@task(name="check-same-records", cache_policy=NONE)
+def check_same_records(config: PipelineConfig, plan: RunPlan) -> None:
+    """For a rerun whose sources changed only their versions (`plan.same_records_as`):
+    shard them now and refuse the rerun unless the shards are the ones it trained on
+    (`tasks.rerun.same_records_result`). A refusal of the inputs, like the validate
+    stage's: the flow calls this before anything is provisioned or landed (a same-size
+    edit landed a completed run's row as failed). The shard stage then finds the dataset
+    built.
+
+    Raises:
+        ConfigError: naming the files, when the shards differ.
+    """
+    if plan.same_records_as is None:
+        return
+    progress = ArtifactProgress(f"Sharding the sources of run {plan.run_id} to compare them")
+    result = shard_corpus(config.dataset, shard_root(plan), progress=progress)
+    progress.finish()
+    same_records_result(plan, result)
 
 
 # No Prefect cache policy: the dataset's manifest is the cache. It is checked where the

@@ -65,7 +65,9 @@ def test_a_source_edited_to_the_same_size_is_refused_once_sharded(tmp_path):
     plan, _ = check_inputs(cfg, plan_run(cfg))
     new = data.shard_dataset(cfg.dataset, plan.datasets_root)
     assert not same_shards(data.load_manifest(before), new.manifest)
-    with pytest.raises(ConfigError, match=r"\(changed: .*3\.txt, each of the same size, but"):
+    with pytest.raises(
+        ConfigError, match=r"\(modified, same size: .*3\.txt: the shards they give are not"
+    ):
         same_records_result(plan, new)
     # The dataset it trained on deleted meanwhile: nothing to compare with, refused.
     (Path(before) / "manifest.json").unlink()
@@ -79,6 +81,11 @@ def test_other_changes_are_refused_before_anything_is_sharded(tmp_path):
     (corpus / "2.txt").write_text("a shorter document")  # another size
     with pytest.raises(ConfigError, match=r"\(changed: .*2\.txt\)"):
         check_inputs(cfg, plan_run(cfg))
+    # A file only touched (or restored) beside it is told apart: it may hold its bytes.
+    bump_mtime(corpus / "3.txt")
+    both = r"\(changed: .*2\.txt; modified, same size: .*3\.txt\)"
+    with pytest.raises(ConfigError, match=both):
+        check_inputs(cfg, plan_run(cfg))
     (corpus / "2.txt").write_text("document 2 " * 40)
     (corpus / "new.txt").write_text("added")
     assert not times_only(before, cfg.dataset, data.resolve_sources(cfg.dataset.sources))
@@ -88,27 +95,32 @@ def test_other_changes_are_refused_before_anything_is_sharded(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_pipeline_s_shard_stage_resumes_a_touched_run_over_its_dataset(
+def test_the_pipeline_resumes_a_touched_run_and_refuses_an_edited_one_without_landing(
     tmp_path, prefect_harness
 ):
-    from prefect import flow
+    from flows.pipeline import tpu_training_pipeline
+    from infra.metrics import DuckDBSink
+    from tests.helpers import tiny_config
 
-    from tasks.prepare import shard_dataset, validate_config
+    corpus, _ = six_document_run(tmp_path)
+    config = tiny_config(
+        tmp_path, "run_name=touched", f"dataset.sources=[{corpus}]", "dataset.eval_fraction=0.3"
+    )
+    run_config = Path(plan_run(config).run_dir) / "config.json"
 
-    corpus, cfg = six_document_run(tmp_path)
+    def trained_on() -> str:
+        return json.loads(run_config.read_text())["dataset_dir"]
 
-    @flow
-    def shard_only() -> str:
-        return shard_dataset(cfg, validate_config(cfg))
-
-    def dataset_of(config_path: str) -> str:
-        return json.loads(Path(config_path).read_text())["dataset_dir"]
-
-    first = dataset_of(shard_only())
+    assert tpu_training_pipeline(config=config).status == "completed"
+    first = trained_on()
     for path in corpus.iterdir():  # a checkout that rewrote every file
         bump_mtime(path)
-    assert dataset_of(shard_only()) == first
+    assert tpu_training_pipeline(config=config).status == "completed"  # evaluated again
+    assert trained_on() == first
     (corpus / "4.txt").write_text("Y" + (corpus / "4.txt").read_text()[1:])
-    with pytest.raises(ConfigError, match=r"each of the same size, but the shards they give"):
-        shard_only()
-    assert dataset_of(str(Path(plan_run(cfg).run_dir) / "config.json")) == first
+    with pytest.raises(ConfigError, match=r"modified, same size: .*: the shards they give"):
+        tpu_training_pipeline(config=config)
+    # A refusal of its inputs, like the validate stage's: the finished run's row stays.
+    row = DuckDBSink(tmp_path / "metrics.duckdb").read_run("touched")
+    assert (row.status, row.error) == ("completed", None)
+    assert trained_on() == first
