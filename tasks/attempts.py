@@ -23,8 +23,10 @@ a run and its rerun is nobody's time, though the node it left was billed.
 Except while the left workload trained on: an orchestrator killed outright leaves its
 workload running, and the steps it trains after its last event (the workload records
 checkpoints, not steps) are trained again by the attempt that resumes from an earlier
-checkpoint. `trained_after` places the last of those steps, from `metrics.jsonl`, on the
-abandoned attempt's clock: that work is lost time, and its invocation's.
+checkpoint. `trained_after` places the last of those steps on the abandoned attempt's
+clock, from `metrics.jsonl` (a row every `train.log_every` steps) and from the heartbeat
+the deleting orchestrator found (`beat_time` on its `leftover_deleted`: at most a minute
+apart while training): that work is lost time, and its invocation's.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
     """
     groups = by_attempt(events)
     numbers = list(groups)
-    windows = []
+    windows, beats = [], []
     for i, number in enumerate(numbers[:-1]):
         own = timed(groups[number])
         if not own or any(e["event"] in ("attempt_ended", "finished") for e in own):
@@ -152,14 +154,15 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
         # Its workload trained until the next orchestrator deleted its slice, or at the
         # latest until the next attempt began.
         later = [e["time"] for n in numbers[i + 1 :] for e in timed(groups[n])]
-        stops = [e["time"] for e in groups[number] if e["event"] == LEFTOVER_DELETED]
-        windows.append((own[-1], min(later + stops, default=float("inf"))))
+        left = [e for e in groups[number] if e["event"] == LEFTOVER_DELETED]
+        windows.append((own[-1], min(later + [e["time"] for e in left], default=float("inf"))))
+        beats.append([_beat(e) for e in left if _beat(e) is not None])
     if not windows:
         return []
     logged = rows()
     added = []
-    for last, stop in windows:
-        after = [r for r in logged if last["time"] < r["time"] < stop]
+    for (last, stop), seen in zip(windows, beats, strict=True):
+        after = [r for r in [*logged, *seen] if last["time"] < r["time"] < stop]
         if after:
             row = max(after, key=lambda r: r["time"])
             # The raw attempt number and invocation of the attempt's own events, so that the
@@ -167,5 +170,15 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
             event = {"event": TRAINED, "attempt": last.get("attempt", 0), "time": row["time"]}
             if "invocation" in last:
                 event["invocation"] = last["invocation"]
-            added.append({**event, "step": row["step"], "source": "metrics"})
+            if row.get("step") is not None:
+                event["step"] = row["step"]
+            added.append({**event, "source": row.get("source", "metrics")})
     return added
+
+
+def _beat(event: dict) -> dict | None:
+    """The heartbeat a `leftover_deleted` event recorded, as a metrics row's time and step."""
+    when, step = event.get("beat_time"), event.get("beat_step")
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        return None
+    return {"time": when, "step": step if isinstance(step, int) else None, "source": "heartbeat"}

@@ -23,6 +23,7 @@ from tasks.goodput import MAX_ATTEMPT
 from tasks.plan import ROOT_LABEL, RunPlan, is_gcs, plan_run, root_tag, run_events
 from workloads.config import PipelineConfig, valid_run_name
 from workloads.events import EVENTS
+from workloads.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +177,29 @@ def _attempt_of(labels) -> int | None:
     return int(value) if value.isdecimal() and 0 < int(value) < MAX_ATTEMPT else None
 
 
+def _last_beat(plan: RunPlan, attempt: int) -> dict:
+    """The last heartbeat the deleted copy's workload wrote, if it is that attempt's: its
+    time and step (`beat_time`, `beat_step`), the ledger's evidence of how long a workload
+    whose orchestrator was killed trained on (`tasks.attempts.trained_after`; its metrics
+    rows come only every `train.log_every` steps). None found: {}."""
+    try:
+        beat = RunDir(plan.run_dir).read_status() or {}
+    except Exception:  # only a note for the ledger: the deletion is recorded without it
+        return {}
+    when, step = beat.get("time"), beat.get("step")
+    if beat.get("attempt") != attempt or not isinstance(when, int | float):
+        return {}
+    return {"beat_time": when, "beat_step": step if isinstance(step, int) else None}
+
+
 def _record_leftover(plan: RunPlan, attempt: int, state: str) -> bool:
     """Append `leftover_deleted` for `attempt`, stamped with this invocation; True if
     written. A failed write is logged, not raised: the slice is gone either way, and
     failing the attempt (or the teardown) over the ledger's note would cost more than the
     note is worth."""
     try:
-        run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state)
+        beat = _last_beat(plan, attempt)
+        run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state, **beat)
         return True
     except Exception as exc:  # see the docstring
         log.warning(

@@ -90,6 +90,29 @@ def test_the_rerun_s_attempt_records_deleting_the_killed_attempt_s_slice(run, ca
     assert compute_goodput(events) == compute_goodput([e for e in events if e is not left])
 
 
+def test_the_deletion_records_the_killed_attempt_s_last_heartbeat(run):
+    # The ledger's evidence of how long the orphan trained on (`trained_after`): its
+    # metrics rows come every train.log_every steps only.
+    from workloads.rundir import RunDir
+
+    config, plan, _provider = run
+    RunDir(plan.run_dir).write_status("training", attempt=1, step=42)
+    beat = RunDir(plan.run_dir).read_status()
+    training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+    (left,) = leftovers(plan)
+    assert (left["beat_time"], left["beat_step"]) == (beat["time"], 42)
+
+
+def test_a_heartbeat_of_another_attempt_is_not_recorded(run):
+    from workloads.rundir import RunDir
+
+    config, plan, _provider = run
+    RunDir(plan.run_dir).write_status("training", attempt=7, step=42)
+    training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+    (left,) = leftovers(plan)
+    assert "beat_time" not in left and "beat_step" not in left
+
+
 def test_the_teardown_records_a_leftover_of_any_attempt(run):
     config, plan, _provider = run
     assert training.teardown_slice.fn(config, plan) is True

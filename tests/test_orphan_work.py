@@ -102,3 +102,20 @@ def test_the_report_and_landing_read_it_from_the_run_directory(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     goodput = compute_goodput(ledger_events(str(tmp_path)))
     assert goodput.seconds["lost"] == pytest.approx(15.0)
+
+
+def test_the_heartbeat_the_deleting_orchestrator_found_places_steps_the_logs_missed():
+    # train.log_every large: metrics.jsonl held no row past the checkpoint, and 7.5 s the
+    # orphan trained read lost 0 s. The rerun records its last heartbeat on the deletion.
+    events = killed_then_rerun()
+    (left,) = [e for e in events if e["event"] == "leftover_deleted"]
+    left.update(beat_time=33.0, beat_step=29)
+    assert trained_after(events, lambda: [])[0]["time"] == 33.0
+    assert compute_goodput(events + trained_after(events, list)).seconds["lost"] == 19.0
+    # The later of the two: a metrics row after the beat counts (none can be: it stopped).
+    (added,) = trained_after(events, lambda: ORPHAN_ROWS)
+    assert (added["time"], added["step"], added["source"]) == (33.0, 29, "heartbeat")
+    # Another attempt's heartbeat is never recorded (`tasks.own_slice`), and a beat from
+    # before the attempt's last event says nothing.
+    left.update(beat_time=10.0)
+    assert trained_after(events, lambda: []) == []
