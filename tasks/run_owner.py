@@ -25,11 +25,13 @@ import logging
 import os
 from datetime import UTC
 
+from etils import epath
+
 from tasks.plan import RunPlan
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
 from workloads.events import event_lines
-from workloads.rundir import same_directory
+from workloads.rundir import CONFIG, same_directory
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +132,15 @@ def earlier_life(plan: RunPlan, row) -> bool:
     if any(e.get("invocation") == row.flow_run_id for e in events):
         return False
     times = [e["time"] for e in events if isinstance(e.get("time"), int | float)]
+    if not times:
+        # The run had attempts, so its directory had a ledger: gone (the directory deleted,
+        # this run stopped before making it anew), unless its config.json says otherwise
+        # (only the ledger was lost: the same run).
+        return not (epath.Path(plan.run_dir) / CONFIG).exists()
     ended = row.finished_at or row.started_at
     if ended.tzinfo is None:  # stored as UTC
         ended = ended.replace(tzinfo=UTC)
-    return bool(times) and min(times) > ended.timestamp()
+    return min(times) > ended.timestamp()
 
 
 def recorded_invocations(run_dir: str) -> set[str]:

@@ -376,3 +376,36 @@ def test_a_run_stopped_before_its_directory_existed_keeps_its_start_when_run_aga
     assert first.status == "failed" and first.flow_run_id in recorded_invocations(str(run_dir))
     assert tpu_training_pipeline(config=config).status == "completed"
     assert DuckDBSink(metrics).read_run("early").started_at == first.started_at
+
+
+def test_a_new_run_in_a_deleted_directory_stopped_while_sharding_replaces_the_old_rows(
+    tmp_path, monkeypatch, prefect_harness
+):
+    # `rm -rf runs/again`, then the name run again and stopped before its directory
+    # existed: its failed landing kept the old run's start, steps and evaluation, under
+    # the new run's config, and recorded itself there, so they were kept for good.
+    import shutil
+
+    from flows import pipeline
+    from flows.pipeline import tpu_training_pipeline
+
+    config = tiny_config(tmp_path, "run_name=again")
+    sink = DuckDBSink(tmp_path / "metrics.duckdb")
+    old = tpu_training_pipeline(config=config)
+    shutil.rmtree(tmp_path / "runs" / "again")
+
+    def stopped_while_sharding(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "shard_dataset", stopped_while_sharding)
+        with pytest.raises(KeyboardInterrupt):
+            tpu_training_pipeline(config=config)
+    new = sink.read_run("again")
+    assert new.started_at > old.started_at
+    assert (new.status, new.final_step, new.eval_loss) == ("failed", None, None)
+    assert sink.query("SELECT count(*) FROM step_metrics WHERE run_id = 'again'") == [(0,)]
+    assert sink.query("SELECT count(*) FROM eval_metrics WHERE run_id = 'again'") == [(0,)]
+    # Its next invocation is the same (new) run: its start stays.
+    assert tpu_training_pipeline(config=config).status == "completed"
+    assert sink.read_run("again").started_at == new.started_at

@@ -125,7 +125,13 @@ def test_a_row_of_an_earlier_run_whose_directory_was_deleted_is_told_apart(tmp_p
         flow_run_id="flow-old",
         attempts=1,
     )
-    assert not earlier_life(plan, row)  # no event yet: nothing to tell by
+    # No event yet (the new run stopped while sharding: its first landing): the row's run
+    # had attempts, so its ledger is gone with its directory...
+    assert earlier_life(plan, row)
+    # ...unless the directory still holds the run's config.json: only the ledger was lost.
+    (Path(plan.run_dir) / "config.json").write_text("{}")
+    assert not earlier_life(plan, row)
+    (Path(plan.run_dir) / "config.json").unlink()
     EventLog(plan.run_dir, 1, source="orchestrator", invocation="flow-new").emit(
         "provision_requested"
     )
