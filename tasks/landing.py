@@ -196,7 +196,11 @@ def land_metrics(
         landed.steps,  # one per step: a step trained again after a resume counts once
         landed.evals,
         plan.metrics_path,
-        "" if error is None else " (as a failed run: the rows landed before it are kept)",
+        ""
+        if error is None
+        else " (as a failed run)"
+        if fresh
+        else " (as a failed run: the rows landed before it are kept)",
     )
     try:
         return sink.read_run(run.run_id) or run
