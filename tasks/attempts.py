@@ -177,8 +177,9 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
 
 
 def _beat(event: dict) -> dict | None:
-    """The heartbeat a `leftover_deleted` event recorded, as a metrics row's time and step."""
-    when, step = event.get("beat_time"), event.get("beat_step")
+    """The heartbeat a `leftover_deleted` event recorded, as a metrics row's time and step:
+    its `trained_until` when the workload was training then (`tasks.own_slice`)."""
+    when, step = event.get("trained_until", event.get("beat_time")), event.get("beat_step")
     if not isinstance(when, int | float) or isinstance(when, bool):
         return None
     return {"time": when, "step": step if isinstance(step, int) else None, "source": "heartbeat"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from etils import epath
 
@@ -32,6 +33,10 @@ class SliceNameTaken(RuntimeError):
     """The run's slice name is held by a slice of a run of the same name under another
     storage root (same project, in one of the zones this run looks in, another bucket):
     neither run may delete the other's."""
+
+
+# Seconds a heartbeat may be late beyond two of its intervals (a write, a clock apart).
+BEAT_SLACK_S = 5.0
 
 
 def own_copy(plan: RunPlan) -> LabelTest:
@@ -124,6 +129,7 @@ def _delete_recording(
         if ours(copy.labels) and (number := _attempt_of(copy.labels)) not in (None, running)
     }
     # Only this run's copies, wherever they are: another root's copy of the name stays.
+    deleting = time.time()
     deleted = provider.delete(plan.slice_name, where=ours)
     if deleted:
         for number, state in sorted(left.items()):
@@ -135,7 +141,7 @@ def _delete_recording(
                 number,
                 plan.run_name,
             )
-            _record_leftover(plan, number, state)
+            _record_leftover(plan, number, state, deleting)
     return deleted
 
 
@@ -177,28 +183,36 @@ def _attempt_of(labels) -> int | None:
     return int(value) if value.isdecimal() and 0 < int(value) < MAX_ATTEMPT else None
 
 
-def _last_beat(plan: RunPlan, attempt: int) -> dict:
+def _last_beat(plan: RunPlan, attempt: int, deleting: float) -> dict:
     """The last heartbeat the deleted copy's workload wrote, if it is that attempt's: its
     time and step (`beat_time`, `beat_step`), the ledger's evidence of how long a workload
     whose orchestrator was killed trained on (`tasks.attempts.trained_after`; its metrics
-    rows come only every `train.log_every` steps). None found: {}."""
+    rows come only every `train.log_every` steps). A beat of its training phase no older
+    than two of its intervals when the delete began (`deleting`) says it trained until
+    then (`trained_until`), as the watch would have judged it alive. None found: {}."""
     try:
         beat = RunDir(plan.run_dir).read_status() or {}
     except Exception:  # only a note for the ledger: the deletion is recorded without it
         return {}
-    when, step = beat.get("time"), beat.get("step")
+    when, step, every = beat.get("time"), beat.get("step"), beat.get("beat_s")
     if beat.get("attempt") != attempt or not isinstance(when, int | float):
         return {}
-    return {"beat_time": when, "beat_step": step if isinstance(step, int) else None}
+    found = {"beat_time": when, "beat_step": step if isinstance(step, int) else None}
+    alive = isinstance(every, int | float) and deleting - when <= 2 * every + BEAT_SLACK_S
+    if beat.get("phase") == "training" and alive:
+        found["trained_until"] = deleting
+    return found
 
 
-def _record_leftover(plan: RunPlan, attempt: int, state: str) -> bool:
+def _record_leftover(
+    plan: RunPlan, attempt: int, state: str, deleting: float | None = None
+) -> bool:
     """Append `leftover_deleted` for `attempt`, stamped with this invocation; True if
     written. A failed write is logged, not raised: the slice is gone either way, and
     failing the attempt (or the teardown) over the ledger's note would cost more than the
     note is worth."""
     try:
-        beat = _last_beat(plan, attempt)
+        beat = _last_beat(plan, attempt, time.time() if deleting is None else deleting)
         run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state, **beat)
         return True
     except Exception as exc:  # see the docstring

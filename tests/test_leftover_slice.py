@@ -96,11 +96,26 @@ def test_the_deletion_records_the_killed_attempt_s_last_heartbeat(run):
     from workloads.rundir import RunDir
 
     config, plan, _provider = run
-    RunDir(plan.run_dir).write_status("training", attempt=1, step=42)
+    RunDir(plan.run_dir).write_status("training", attempt=1, step=42, beat_s=10.0)
     beat = RunDir(plan.run_dir).read_status()
+    before = time.time()
     training.provision_slice.fn(config, plan, "config.json", 2, "lease")
     (left,) = leftovers(plan)
     assert (left["beat_time"], left["beat_step"]) == (beat["time"], 42)
+    # Beating within two of its intervals when the delete began: it trained until then.
+    assert before <= left["trained_until"] <= left["time"]
+
+
+def test_a_stale_or_finished_heartbeat_says_when_it_was_written_only(run):
+    from workloads.rundir import RunDir
+
+    config, plan, _provider = run
+    rundir = RunDir(plan.run_dir)
+    rundir._clock = lambda: time.time() - 60  # 60 s old: no longer beating every 10 s
+    rundir.write_status("training", attempt=1, step=42, beat_s=10.0)
+    training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+    (left,) = leftovers(plan)
+    assert left["beat_step"] == 42 and "trained_until" not in left
 
 
 def test_a_heartbeat_of_another_attempt_is_not_recorded(run):

@@ -115,7 +115,11 @@ def test_the_heartbeat_the_deleting_orchestrator_found_places_steps_the_logs_mis
     # The later of the two: a metrics row after the beat counts (none can be: it stopped).
     (added,) = trained_after(events, lambda: ORPHAN_ROWS)
     assert (added["time"], added["step"], added["source"]) == (33.0, 29, "heartbeat")
+    # Beating when its slice's delete began (`trained_until`): it trained until then.
+    left.update(trained_until=39.5)
+    assert trained_after(events, lambda: ORPHAN_ROWS)[0]["time"] == 39.5
     # Another attempt's heartbeat is never recorded (`tasks.own_slice`), and a beat from
     # before the attempt's last event says nothing.
+    del left["trained_until"]
     left.update(beat_time=10.0)
     assert trained_after(events, lambda: []) == []

@@ -202,12 +202,24 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                     )
                 report.metrics(rows)
                 loss = finite_or_none(rows[-1]["loss"])
-                report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
+                report.status(
+                    "training",
+                    step=step,
+                    loss=loss,
+                    last_checkpoint=last_saved or None,
+                    beat_s=beat_s,
+                )
             elif report.silent_for() >= beat_s:
                 # Log steps alone may be further apart than the orchestrator's heartbeat
                 # timeout. Beat without fetching metrics (a sync with the devices): the step
                 # dispatched and the last loss fetched.
-                report.status("training", step=step, loss=loss, last_checkpoint=last_saved or None)
+                report.status(
+                    "training",
+                    step=step,
+                    loss=loss,
+                    last_checkpoint=last_saved or None,
+                    beat_s=beat_s,
+                )
             if save_now:
                 if report.primary:
                     report.events.check_lease()  # a zombie must never write a checkpoint
