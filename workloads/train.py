@@ -183,7 +183,8 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
             # slice only to restore it, spending one of the run's preemption retries.
             preempted = notice.stop_at(step - start) and step < total
             save_now = step % every == 0 or step == total or preempted
-            if save_now or step % cfg.train.log_every == 0 or step == start + 1:
+            logged = save_now or step % cfg.train.log_every == 0 or step == start + 1
+            if logged:
                 try:
                     rows = window.flush()  # raises NonFiniteError before a bad state is saved
                 except NonFiniteError as exc:
@@ -202,24 +203,13 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
                     )
                 report.metrics(rows)
                 loss = finite_or_none(rows[-1]["loss"])
-                report.status(
-                    "training",
-                    step=step,
-                    loss=loss,
-                    last_checkpoint=last_saved or None,
-                    beat_s=beat_s,
-                )
-            elif report.silent_for() >= beat_s:
-                # Log steps alone may be further apart than the orchestrator's heartbeat
-                # timeout. Beat without fetching metrics (a sync with the devices): the step
-                # dispatched and the last loss fetched.
-                report.status(
-                    "training",
-                    step=step,
-                    loss=loss,
-                    last_checkpoint=last_saved or None,
-                    beat_s=beat_s,
-                )
+            # Log steps alone may be further apart than the orchestrator's heartbeat timeout:
+            # between them, beat without fetching metrics (a sync with the devices), with the
+            # step dispatched and the last loss fetched. The beat says its interval (how
+            # long its silence means nothing: `tasks.own_slice`).
+            if logged or report.silent_for() >= beat_s:
+                at = last_saved or None
+                report.status("training", step=step, loss=loss, last_checkpoint=at, beat_s=beat_s)
             if save_now:
                 if report.primary:
                     report.events.check_lease()  # a zombie must never write a checkpoint
