@@ -146,7 +146,7 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
     """
     groups = by_attempt(events)
     numbers = list(groups)
-    windows, beats = [], []
+    windows = []  # (its last event, when it stopped at the latest, its recorded beats)
     for i, number in enumerate(numbers[:-1]):
         own = timed(groups[number])
         if not own or any(e["event"] in ("attempt_ended", "finished") for e in own):
@@ -155,14 +155,14 @@ def trained_after(events: list[dict], rows: Callable[[], list[dict]]) -> list[di
         # latest until the next attempt began.
         later = [e["time"] for n in numbers[i + 1 :] for e in timed(groups[n])]
         left = [e for e in groups[number] if e["event"] == LEFTOVER_DELETED]
-        windows.append((own[-1], min(later + [e["time"] for e in left], default=float("inf"))))
-        beats.append([_beat(e) for e in left if _beat(e) is not None])
+        stop = min(later + [e["time"] for e in left], default=float("inf"))
+        windows.append((own[-1], stop, [b for e in left if (b := _beat(e)) is not None]))
     if not windows:
         return []
     logged = rows()
     added = []
-    for (last, stop), seen in zip(windows, beats, strict=True):
-        after = [r for r in [*logged, *seen] if last["time"] < r["time"] < stop]
+    for last, stop, beats in windows:
+        after = [r for r in [*logged, *beats] if last["time"] < r["time"] < stop]
         if after:
             row = max(after, key=lambda r: r["time"])
             # The raw attempt number and invocation of the attempt's own events, so that the

@@ -81,6 +81,16 @@ def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+def stop_while_sharding(config, monkeypatch) -> None:
+    """Run `config`'s pipeline, stopped by Ctrl-C as its shard stage starts."""
+    from flows import pipeline
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "shard_dataset", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.tpu_training_pipeline(config=config)
+
+
 def test_a_signal_while_landing_waits_for_the_file_still_lands_the_failed_row(
     finished, tmp_path, monkeypatch
 ):
@@ -357,21 +367,13 @@ def test_a_run_stopped_before_its_directory_existed_keeps_its_start_when_run_aga
     # which did not exist yet ("could not record the landing in .../events.jsonl", a
     # warning on every such stop). Now it makes it: the next invocation is the same run
     # (its row keeps the first start), not a new run of the name over an old row.
-    from flows import pipeline
     from flows.pipeline import tpu_training_pipeline
     from tasks.run_owner import recorded_invocations
 
     config = tiny_config(tmp_path, "run_name=early")
     metrics = tmp_path / "metrics.duckdb"
     run_dir = tmp_path / "runs" / "early"
-
-    def stopped_while_sharding(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "shard_dataset", stopped_while_sharding)
-        with pytest.raises(KeyboardInterrupt):
-            tpu_training_pipeline(config=config)
+    stop_while_sharding(config, monkeypatch)
     first = DuckDBSink(metrics).read_run("early")
     assert first.status == "failed" and first.flow_run_id in recorded_invocations(str(run_dir))
     assert tpu_training_pipeline(config=config).status == "completed"
@@ -386,21 +388,13 @@ def test_a_new_run_in_a_deleted_directory_stopped_while_sharding_replaces_the_ol
     # the new run's config, and recorded itself there, so they were kept for good.
     import shutil
 
-    from flows import pipeline
     from flows.pipeline import tpu_training_pipeline
 
     config = tiny_config(tmp_path, "run_name=again")
     sink = DuckDBSink(tmp_path / "metrics.duckdb")
     old = tpu_training_pipeline(config=config)
     shutil.rmtree(tmp_path / "runs" / "again")
-
-    def stopped_while_sharding(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "shard_dataset", stopped_while_sharding)
-        with pytest.raises(KeyboardInterrupt):
-            tpu_training_pipeline(config=config)
+    stop_while_sharding(config, monkeypatch)
     new = sink.read_run("again")
     assert new.started_at > old.started_at
     assert (new.status, new.final_step, new.eval_loss) == ("failed", None, None)

@@ -74,19 +74,10 @@ def same_records(
     it resumes exactly over the new dataset: its data-iterator state indexes the same
     records. False when the manifest cannot be read.
     """
-    try:
-        m = load_manifest(dataset_dir)
-        if m["format_version"] < SAME_RECORDS_SINCE:
-            return False
-        stored = records_fields(m)
-    except (DatasetError, OSError, KeyError, TypeError, AttributeError):
+    stored = _stored_fields(dataset_dir)
+    if stored is None or stored[0] < SAME_RECORDS_SINCE:
         return False
-    options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
-    return stored == {
-        "sources": [[f.uri, f.key, f.size, f.version] for f in files],
-        "tokenizer": load_tokenizer(cfg.tokenizer).fingerprint_entry(),
-        "options": options,
-    }
+    return stored[1] == _fields_now(cfg, files)
 
 
 def times_only(dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]) -> bool:
@@ -97,20 +88,34 @@ def times_only(dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[S
     its size: only the new dataset's shards tell which (`same_shards`). False when the
     manifest cannot be read.
     """
+    stored = _stored_fields(dataset_dir)
+    if stored is None or stored[0] != FORMAT_VERSION:
+        return False  # another format's shards differ whatever the sources hold
+
+    def unversioned(fields: dict) -> dict:
+        return {**fields, "sources": [source[:3] for source in fields["sources"]]}
+
+    return unversioned(stored[1]) == unversioned(_fields_now(cfg, files))
+
+
+def _stored_fields(dataset_dir: str | os.PathLike) -> tuple[int, dict] | None:
+    """The format version and `records_fields` of the dataset's manifest, or None when it
+    cannot be read."""
     try:
         m = load_manifest(dataset_dir)
-        if m["format_version"] != FORMAT_VERSION:
-            return False  # another format's shards differ whatever the sources hold
-        stored = records_fields(m)
-        sources = [source[:3] for source in stored["sources"]]
+        return m["format_version"], records_fields(m)
     except (DatasetError, OSError, KeyError, TypeError, AttributeError):
-        return False
+        return None
+
+
+def _fields_now(cfg: DatasetConfig, files: list[SourceFile]) -> dict:
+    """`records_fields` of the dataset `cfg` over `files` would give now."""
     options = {k: v for k, v in byte_options(cfg, files).items() if k != "tokenizer"}
-    return (
-        sources == [[f.uri, f.key, f.size] for f in files]
-        and stored["tokenizer"] == load_tokenizer(cfg.tokenizer).fingerprint_entry()
-        and stored["options"] == options
-    )
+    return {
+        "sources": [[f.uri, f.key, f.size, f.version] for f in files],
+        "tokenizer": load_tokenizer(cfg.tokenizer).fingerprint_entry(),
+        "options": options,
+    }
 
 
 def same_shards(before: dict, after: dict) -> bool:
