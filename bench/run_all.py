@@ -112,6 +112,19 @@ def shard_rows(r: dict) -> list[dict]:
             if r.get("amdahl_speedup_1_to_2")
             else []
         ),
+        *(
+            [
+                _row(
+                    f"sharding speed-up, 1 → 2 workers, the corpus copied to "
+                    f"{r['scaled_corpus_mb']} MB",
+                    r["scaled_speedup_1_to_2_workers"],
+                    ("2 workers, MB/s", r["scaled_2_workers_mb_s"]),
+                    ("1 worker, MB/s", r["scaled_1_worker_mb_s"]),
+                )
+            ]
+            if r.get("scaled_speedup_1_to_2_workers")
+            else []
+        ),
         _row(
             "loader ÷ training consumption (demo config)",
             r["loader_over_training"],

@@ -18,6 +18,10 @@ side in one run.
   1-worker run pinned to each of two cores in turn, whose speeds bound what a second worker
   can add (ideal speed-up = 1 + slower core's speed ÷ faster core's). On a VM the cores
   need not be equal: here one ran this file-heavy work ~1.4x slower than the other.
+- A fifth: the same 1 → 2 worker speed-up on the corpus copied `--scale` times (4: ~126
+  MB). Listing, fingerprint and manifest grow with the file count, but the fixed costs (a
+  worker's start, the last unit of each phase run alone) weigh less: what a corpus larger
+  than the stdlib can expect.
 - The loader's batches/s for configs/demo.yaml (grain over the shards, batch 32, decoded to
   model inputs) ÷ the batches/s the demo's training step consumes, measured here with the
   same config on 8 virtual CPU devices. Goal ≥ 20.
@@ -97,14 +101,17 @@ def plain_copy(paths: list[str], out: Path) -> float:
     return time.perf_counter() - start
 
 
-def shard_once(workers: int, root: Path, serial: list[float] | None = None) -> float:
-    """Seconds of one sharding run of the stdlib corpus. With `serial`, appends the run's
-    seconds outside its worker pool's two phases: before the first unit is tokenized
-    (listing, fingerprint, planning) and after the last shard is written (manifest)."""
+def shard_once(
+    workers: int, root: Path, serial: list[float] | None = None, source: str = "stdlib"
+) -> float:
+    """Seconds of one sharding run of the stdlib corpus (or `source`). With `serial`,
+    appends the run's seconds outside its worker pool's two phases: before the first unit
+    is tokenized (listing, fingerprint, planning) and after the last shard is written
+    (manifest)."""
     from workloads import data
     from workloads.config import DatasetConfig
 
-    cfg = DatasetConfig(sources=["stdlib"], errors="replace", seq_len=128, workers=workers)
+    cfg = DatasetConfig(sources=[source], errors="replace", seq_len=128, workers=workers)
     out = Path(tempfile.mkdtemp(dir=root))
     marks: list[float] = []
     start = time.perf_counter()
@@ -114,6 +121,20 @@ def shard_once(workers: int, root: Path, serial: list[float] | None = None) -> f
     if serial is not None:
         serial.append((marks[0] - start) + (end - marks[-1]))
     return end - start
+
+
+def copied_corpus(paths: list[str], root: Path, copies: int) -> Path:
+    """A directory holding `copies` copies of the files at `paths`, each copy under its
+    own sub-directory (so every document has its own key)."""
+    top = root / "scaled"
+    base = os.path.commonpath(paths)
+    for i in range(copies):
+        for p in paths:
+            dst = top / f"copy-{i}" / os.path.relpath(p, base)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "rb") as src, open(dst, "wb") as out:
+                out.write(src.read())
+    return top
 
 
 def writer_floor(dataset_dir: str, root: Path) -> float:
@@ -252,6 +273,9 @@ def main() -> int:
     parser.add_argument(
         "--settle", type=float, default=SETTLE_S, help="seconds to wait before each timed run"
     )
+    parser.add_argument(
+        "--scale", type=int, default=4, help="copies of the corpus for the larger run (0: none)"
+    )
     parser.add_argument("--train-reference", metavar="DATASET_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train_reference:
@@ -273,6 +297,7 @@ def main() -> int:
     floor_dir = data.shard_dataset(
         DatasetConfig(sources=["stdlib"], errors="replace", seq_len=128), root / "floor"
     ).dataset_dir
+    scaled = copied_corpus(paths, root, args.scale) if args.scale else None
     machine: list[float] = []
     pair_speedups: list[float] = []
     serial: list[float] = []  # of each 1-worker run, in order
@@ -293,6 +318,8 @@ def main() -> int:
         machine.append(machine_speedup())
         timed("plain_cold", lambda: plain_copy(paths, root / "plain.out"), cold=True)
         timed("shard2_cold", lambda: shard_once(2, root), cold=True)
+        for w in (1, 2) if scaled else ():
+            timed(f"scaled{w}", lambda w=w: shard_once(w, root, source=str(scaled)))
     pinned = core_speeds(root, args.repeats, args.settle)
     best = {k: min(v) for k, v in times.items()}
     rate = {k: mb / v for k, v in best.items()}
@@ -324,6 +351,12 @@ def main() -> int:
         "ideal_speedup_1_to_2_on_these_cores": (
             round(1 + min(pinned) / max(pinned), 3) if pinned else None
         ),
+        "scaled_corpus_mb": round(mb * args.scale, 1),
+        "scaled_speedup_1_to_2_workers": (
+            round(best["scaled1"] / best["scaled2"], 3) if scaled else None
+        ),
+        "scaled_1_worker_mb_s": round(mb * args.scale / best["scaled1"], 1) if scaled else None,
+        "scaled_2_workers_mb_s": round(mb * args.scale / best["scaled2"], 1) if scaled else None,
         "serial_s_of_best_1_worker_run": round(serial[one], 3),
         "best_1_worker_s": round(best["shard1"], 3),
         "amdahl_speedup_1_to_2": round(amdahl, 3),

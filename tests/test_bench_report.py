@@ -39,6 +39,10 @@ RESULTS = {
         "serial_s_of_best_1_worker_run": 0.1,
         "best_1_worker_s": 0.5,
         "amdahl_speedup_1_to_2": 1.667,
+        "scaled_corpus_mb": 126.0,
+        "scaled_speedup_1_to_2_workers": 1.75,
+        "scaled_1_worker_mb_s": 80.0,
+        "scaled_2_workers_mb_s": 140.0,
     },
     "workload": {
         "model": "small",
@@ -89,7 +93,7 @@ RESULTS = {
 
 def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     rows = [row for name in run_all.SUITE for row in run_all.ROWS[name](RESULTS[name])]
-    assert len(rows) == 19
+    assert len(rows) == 20
     by_figure = {row["figure"]: row for row in rows}
     flops = by_figure["model FLOP/s ÷ matmul peak (small model, f32, 1 device)"]
     assert flops["value"] == 0.533 and flops["met"] is False
@@ -128,6 +132,9 @@ def test_every_benchmark_gives_rows_with_numerator_reference_and_goal():
     amdahl = next(r for r in rows if "(Amdahl)" in r["figure"])  # 0.5 s of which 0.1 serial
     assert amdahl["value"] == 1.667 and amdahl["met"] is None
     assert amdahl["reference"]["measured"] == 0.3 and "serial 0.1 s" in amdahl["reference"]["what"]
+    scaled = next(r for r in rows if "copied to 126.0 MB" in r["figure"])
+    assert scaled["value"] == 1.75 and scaled["met"] is None
+    assert scaled["numerator"]["measured"] == 140.0 and scaled["reference"]["measured"] == 80.0
 
 
 def test_reference_rows_read_as_references_in_markdown():
