@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -207,13 +208,14 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     A Prefect progress artifact follows the sharding."""
     progress = ArtifactProgress(f"Sharding the dataset for run {plan.run_id}")
     remote = "://" in plan.datasets_root
-    result = shard_corpus(config.dataset, shard_root(plan), progress=progress)
+    built = shard_corpus(config.dataset, shard_root(plan), progress=progress)
     progress.finish()
     # A rerun over sources touched since goes on over the dataset it trained on, if the
     # one just sharded holds its records.
-    result = same_records_result(plan, result)
-    if remote:
-        dataset_dir = publish_dataset(result.dataset_dir, plan.datasets_root, config)
+    result = same_records_result(plan, built)
+    if remote:  # under that dataset's name: the shards built here are its shards
+        name = posixpath.basename(result.dataset_dir.rstrip("/"))
+        dataset_dir = publish_dataset(built.dataset_dir, plan.datasets_root, config, name=name)
         result = data.ShardResult(dataset_dir, result.manifest, result.cached)
     splits = result.manifest["splits"]
     vocab = result.manifest["tokenizer"]["vocab_size"]

@@ -96,7 +96,11 @@ def check_gcs_places(config: PipelineConfig, client: Any = None) -> None:
 
 
 def publish_dataset(
-    local_dir: str, datasets_root: str, config: PipelineConfig | None, client: Any = None
+    local_dir: str,
+    datasets_root: str,
+    config: PipelineConfig | None,
+    client: Any = None,
+    name: str | None = None,
 ) -> str:
     """Make the dataset under `datasets_root` (gs://) whole: upload it, manifest last, if
     it has no manifest there (or one that does not parse); otherwise check, from one
@@ -117,6 +121,10 @@ def publish_dataset(
         datasets_root: `<storage.root>/datasets`.
         config: For the storage client's settings (unused when `client` is given).
         client: A Cloud Storage client (`tpupipe shard --out gs://...` has no config).
+        name: The remote dataset's name, if not `local_dir`'s: a rerun over touched
+            sources goes on over the dataset it trained on, whose shards `local_dir` holds
+            under the new fingerprint (`tasks.rerun.same_records_result`). That dataset
+            is never published anew under another name's manifest: it must be there.
 
     Returns:
         The remote dataset directory.
@@ -124,11 +132,12 @@ def publish_dataset(
     Raises:
         DatasetError: a shard is missing or of another size in GCS and `local_dir` has no
             copy of it with the manifest's size and sha256; naming the dataset directory
-            and every such shard.
+            and every such shard. Or, with another `name`, that dataset has no manifest.
     """
     from infra.gcp import gcs
 
-    remote = f"{datasets_root.rstrip('/')}/{os.path.basename(local_dir.rstrip('/'))}"
+    own = os.path.basename(local_dir.rstrip("/"))
+    remote = f"{datasets_root.rstrip('/')}/{name or own}"
     client = client or storage_client(config)
     text = gcs.read_bytes(client, f"{remote}/{data.MANIFEST}")
     try:
@@ -138,6 +147,11 @@ def publish_dataset(
     except (ValueError, KeyError, TypeError):
         manifest = None
     local = data.load_manifest(local_dir)
+    if not manifest and name not in (None, own):
+        raise DatasetError(
+            f"dataset {remote}, which the run trained on, has no readable {data.MANIFEST} "
+            "any more (deleted?): restore it, or choose a new run_name"
+        )
     if not manifest:  # none, or one no reader accepts: publish anew
         # The dataset's files alone, manifest last: not the local lock and statistics
         # beside them (`.lock`, `.shard-stats.json`), which nothing remote reads.

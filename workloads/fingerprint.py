@@ -67,12 +67,12 @@ def dataset_fingerprint(
 def same_records(
     dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]
 ) -> bool:
-    """Whether the local dataset in `dataset_dir` holds the records that `cfg` over `files`
-    gives now, though its fingerprint differs: it was built from the same sources, tokenizer
-    and options by an older version whose records hold the same ids in the same order
-    (format `SAME_RECORDS_SINCE` or later; only their storage changed). A run that trained on
-    it resumes exactly over the new dataset: its data-iterator state indexes the same
-    records. False when the manifest cannot be read.
+    """Whether the dataset in `dataset_dir` (local or gs://) holds the records that `cfg`
+    over `files` gives now, though its fingerprint differs: it was built from the same
+    sources, tokenizer and options by an older version whose records hold the same ids in
+    the same order (format `SAME_RECORDS_SINCE` or later; only their storage changed). A
+    run that trained on it resumes exactly over the new dataset: its data-iterator state
+    indexes the same records. False when the manifest cannot be read.
     """
     stored = _stored_fields(dataset_dir)
     if stored is None or stored[0] < SAME_RECORDS_SINCE:
@@ -81,8 +81,8 @@ def same_records(
 
 
 def times_only(dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[SourceFile]) -> bool:
-    """Whether the local dataset in `dataset_dir`, built in this format, differs from what
-    `cfg` over `files` gives now only by its sources' versions (modification times, GCS
+    """Whether the dataset in `dataset_dir` (local or gs://), built in this format, differs
+    from what `cfg` over `files` gives now only by its sources' versions (modification times, GCS
     generations): the same files by name and size, the same tokenizer and options. A
     `touch`, a copy or a checkout that keeps every byte, or one that edits a file but not
     its size: only the new dataset's shards tell which (`same_shards`). False when the

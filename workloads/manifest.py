@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from workloads.sources import DatasetError
 
@@ -46,15 +47,18 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
     """Read and sanity-check a dataset's manifest.
 
     Args:
-        dataset_dir: A directory written by `workloads.data.shard_dataset`.
+        dataset_dir: A directory written by `workloads.data.shard_dataset`, or one it was
+            published to (`gs://`: a rerun checks the dataset it trained on, which under
+            a gs:// storage root is the published one).
 
     Returns:
         The manifest as a dict.
 
     Raises:
         DatasetError: naming the directory, if the manifest is missing or malformed.
+        OSError: the store cannot be read (no credentials, no route).
     """
-    path = Path(dataset_dir) / MANIFEST
+    path = (epath.Path if "://" in str(dataset_dir) else Path)(dataset_dir) / MANIFEST
     if not path.is_file():
         raise DatasetError(f"incomplete dataset: no {MANIFEST} in {dataset_dir}")
     try:
