@@ -6,6 +6,11 @@ fires: after N seconds, after the attempt trained N steps (counted from where it
 or right after a checkpoint save starts (so the save is still being written). Counters
 live in the slice registry, so "hit the first `times` attempts" and "fail the first
 `fail_creates` creates" hold across provider instances and orchestrator restarts.
+
+The run directory may be in GCS (a gs:// storage root with local slices): it is read
+through `etils.epath` there, polled less often, since each read is a request. Read as a
+local path, it was never found, so `at_step` and `during_save` never fired (while the
+attempt still counted as hit).
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from etils import epath
+
 from infra.slices.base import ProvisioningError
 
 _POLL_S = 0.02
+_REMOTE_POLL_S = 0.1  # two object reads per poll
 
 
 class ChaosCapacityError(ProvisioningError):
@@ -65,13 +73,15 @@ class ChaosMonkey:
         if not times or run_dir is None or self._counters()["attempts_hit"] >= times:
             return None
         self._bump("attempts_hit")
-        events = Path(run_dir) / "events.jsonl"
-        seen = len(_lines(events))
-        thread = threading.Thread(target=self._watch, args=(pgid, Path(run_dir), seen), daemon=True)
+        remote = "://" in run_dir
+        where = epath.Path(run_dir) if remote else Path(run_dir)
+        seen = len(_lines(where / "events.jsonl"))
+        poll = _REMOTE_POLL_S if remote else _POLL_S
+        thread = threading.Thread(target=self._watch, args=(pgid, where, seen, poll), daemon=True)
         thread.start()
         return thread
 
-    def _watch(self, pgid: int, run_dir: Path, seen: int) -> None:
+    def _watch(self, pgid: int, run_dir: Path | epath.Path, seen: int, poll_s: float) -> None:
         sig = signal.SIGKILL if self.settings.get("signal") == "KILL" else signal.SIGTERM
         at_step, after_s = self.settings.get("at_step"), self.settings.get("after_s")
         during_save = self.settings.get("during_save", False)
@@ -91,20 +101,20 @@ class ChaosMonkey:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, sig)
                 return
-            time.sleep(_POLL_S)
+            time.sleep(poll_s)
 
 
-def _lines(path: Path) -> list[str]:
+def _lines(path: Path | epath.Path) -> list[str]:
     try:
         return [line for line in path.read_text().splitlines() if line.endswith("}")]
-    except FileNotFoundError:
+    except OSError:  # not written yet; in GCS, a read that failed: the next poll reads again
         return []
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path | epath.Path) -> dict | None:
     try:
         return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError):
         return None
 
 
