@@ -84,6 +84,11 @@ def test_report_can_reprice_a_run_and_write_elsewhere(tmp_path, capsys):
     assert cli_main([*args, "--out", str(out_png)]) == 0
     assert f"cost: ${COST / 2:.4f}" in capsys.readouterr().out
     assert out_png.read_bytes().startswith(PNG_MAGIC)
+    # A config with no cost section of its own, given to find the root: the recorded prices
+    # stand (it re-priced them all as "not priced: a local slice").
+    assert cli_main([*args[:-2], "--no-png"]) == 0
+    out = capsys.readouterr().out
+    assert f"cost: ${COST:.4f}" in out and "not priced" not in out
 
 
 def test_an_unpriced_run_reports_chip_hours_without_cost(tmp_path, capsys):
