@@ -31,6 +31,7 @@ apart while training): that work is lost time, and its invocation's.
 
 from __future__ import annotations
 
+import signal
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -183,3 +184,24 @@ def _beat(event: dict) -> dict | None:
     if not isinstance(when, int | float) or isinstance(when, bool):
         return None
     return {"time": when, "step": step if isinstance(step, int) else None, "source": "heartbeat"}
+
+
+def describe_error(exc: BaseException) -> str:
+    """What a failed run's `runs.error` says: the exception's type and message, or for a
+    termination signal (Prefect's `TerminationSignal`, which has no message) its name."""
+    signum = getattr(exc, "signal", None)
+    if isinstance(signum, int):
+        name = signal.Signals(signum).name
+        # Prefect's worker cancels a flow run (the UI's Cancel) by SIGTERM to its process.
+        how = " (a stop, or a cancel from the Prefect UI or API)" if name == "SIGTERM" else ""
+        return f"{type(exc).__name__}: the orchestrator received {name}{how}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def ended_by(exc: BaseException) -> tuple[str, str]:
+    """The outcome and reason of the `attempt_ended` an attempt gets when `exc` ends it
+    (not a preemption): "stopped" for a stop of its orchestrator (a signal, Ctrl-C, a
+    cancel from the Prefect UI), whose workload saves its step and exits as preempted;
+    "failed" otherwise. A stop read "failed", with the reason "TerminationSignal: "."""
+    stop = isinstance(exc, KeyboardInterrupt) or isinstance(getattr(exc, "signal", None), int)
+    return ("stopped" if stop else "failed"), describe_error(exc)

@@ -195,9 +195,10 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             outcomes = ["abandoned"]  # a later attempt exists: this one runs no more
         elif not outcomes and "finished" in t:
             outcomes = ["finished"]  # its workload finished; its orchestrator never said
-        elif outcomes[-1:] == ["failed"] and "finished" in t:
-            # Its workload finished training; its orchestrator failed after (a sweep stopped
-            # between the last step and the watch's next look): the attempt did its work.
+        elif outcomes[-1:] in (["failed"], ["stopped"]) and "finished" in t:
+            # Its workload finished training; its orchestrator failed or was stopped after (a
+            # sweep stopped between the last step and the watch's next look): the attempt
+            # did its work.
             outcomes = ["completed"]
         line = AttemptTimeline(
             attempt=attempt,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from datetime import datetime
 
 from etils import epath
@@ -11,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from infra.metrics import RunRow, build_sink
+from tasks.attempts import describe_error
 from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
     LEDGER_COLUMNS,
     build_rows,
@@ -41,18 +41,6 @@ __all__ = [
     "summary_key",
     "summary_markdown",
 ]
-
-
-def describe_error(exc: BaseException) -> str:
-    """What a failed run's `runs.error` says: the exception's type and message, or for a
-    termination signal (Prefect's `TerminationSignal`, which has no message) its name."""
-    signum = getattr(exc, "signal", None)
-    if isinstance(signum, int):
-        name = signal.Signals(signum).name
-        # Prefect's worker cancels a flow run (the UI's Cancel) by SIGTERM to its process.
-        how = " (a stop, or a cancel from the Prefect UI or API)" if name == "SIGTERM" else ""
-        return f"{type(exc).__name__}: the orchestrator received {name}{how}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 # How long a stopped run's row waits for its sink before it gives up: for a DuckDB file

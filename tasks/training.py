@@ -24,7 +24,7 @@ from prefect.cache_policies import NONE
 from prefect.tasks import exponential_backoff
 
 from infra.slices import ProvisioningError, SliceSpec, build_provider
-from tasks.attempts import next_attempt, stalled_in_a_row
+from tasks.attempts import ended_by, next_attempt, stalled_in_a_row
 from tasks.goodput import read_events
 from tasks.own_slice import clear_slice_name, delete_own_slice
 from tasks.plan import RunPlan, run_events, slice_labels, slice_log_path
@@ -236,7 +236,8 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             ) from exc
         raise
     except BaseException as exc:
-        events.emit("attempt_ended", outcome="failed", reason=f"{type(exc).__name__}: {exc}")
+        outcome, reason = ended_by(exc)
+        events.emit("attempt_ended", outcome=outcome, reason=reason)
         raise
     finally:
         if not deleted:

@@ -9,6 +9,7 @@ finishes. 40 steps, 10 per attempt. Expected figures are worked out by hand.
 from __future__ import annotations
 
 import itertools
+import signal
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,15 @@ def test_an_attempt_that_saves_when_its_slice_is_deleted_is_not_stalled(
         attempt()
     events = read_events(Path(plan.run_dir) / "events.jsonl")
     assert [(e["event"], e["outcome"]) for e in events[4:]] == [("attempt_ended", "preempted")]
+
+
+def test_an_attempt_ended_by_a_stop_reads_stopped_naming_the_signal():
+    from prefect.exceptions import TerminationSignal
+
+    from tasks.attempts import ended_by
+
+    # Prefect's TerminationSignal has no message: the reason read "TerminationSignal: ".
+    outcome, reason = ended_by(TerminationSignal(signal.SIGTERM))
+    assert outcome == "stopped" and "received SIGTERM" in reason
+    assert ended_by(KeyboardInterrupt()) == ("stopped", "KeyboardInterrupt")
+    assert ended_by(RuntimeError("disk full")) == ("failed", "RuntimeError: disk full")

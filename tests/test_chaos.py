@@ -272,6 +272,10 @@ def test_a_signal_ends_the_run_its_slice_and_its_api_server(tmp_path, prefect_ha
         ((status, error),) = sink.query(f"SELECT status, error FROM runs WHERE run_id = '{name}'")
         said = "KeyboardInterrupt" if sig == signal.SIGINT else sig.name
         assert status == "failed" and said in error, error
+        # Its attempt was stopped, not failed ("TerminationSignal: ", said no more).
+        events = read_events(str(tmp_path / "runs" / name / "events.jsonl"))
+        (ended,) = [e for e in events if e["event"] == "attempt_ended"]
+        assert ended["outcome"] == "stopped" and said in ended["reason"], ended
         if sig == signal.SIGINT:  # one line, not the traceback of where it landed
             told = (tmp_path / f"{name}.stderr").read_text().rstrip().splitlines()
             assert told[-1] == f"run {name} stopped by Ctrl-C; run it again to resume it"
