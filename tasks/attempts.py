@@ -198,10 +198,11 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def ended_by(exc: BaseException) -> tuple[str, str]:
+def ended_by(exc: BaseException, stopped: bool = False) -> tuple[str, str]:
     """The outcome and reason of the `attempt_ended` an attempt gets when `exc` ends it
     (not a preemption): "stopped" for a stop of its orchestrator (a signal, Ctrl-C, a
-    cancel from the Prefect UI), whose workload saves its step and exits as preempted;
-    "failed" otherwise. A stop read "failed", with the reason "TerminationSignal: "."""
+    cancel from the Prefect UI) or one the caller says `exc` is (a sweep's), whose
+    workload saves its step and exits as preempted; "failed" otherwise. A stop read
+    "failed", with the reason "TerminationSignal: "."""
     stop = isinstance(exc, KeyboardInterrupt) or isinstance(getattr(exc, "signal", None), int)
-    return ("stopped" if stop else "failed"), describe_error(exc)
+    return ("stopped" if stop or stopped else "failed"), describe_error(exc)

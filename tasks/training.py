@@ -33,6 +33,7 @@ from tasks.progress import TrainingProgress, progress_key
 from tasks.watch import (
     TrainOutcome,
     WatchSettings,
+    WatchStopped,
     WorkloadFailed,
     WorkloadNeverStarted,
     WorkloadPreempted,
@@ -236,7 +237,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             ) from exc
         raise
     except BaseException as exc:
-        outcome, reason = ended_by(exc)
+        outcome, reason = ended_by(exc, stopped=isinstance(exc, WatchStopped))  # a sweep's
         events.emit("attempt_ended", outcome=outcome, reason=reason)
         raise
     finally:

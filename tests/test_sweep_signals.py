@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from infra.metrics import DuckDBSink
+from tasks.goodput import read_events
 from tests.helpers import REPO, processes_mentioning
 from tests.test_cli_signals import _children
 from tests.test_shard_pool import running
@@ -75,6 +76,10 @@ def test_a_signalled_sweep_stops_its_trials_lands_them_and_leaves_no_process(tmp
             f"SELECT trial, status FROM sweeps WHERE sweep_id = '{name}' ORDER BY trial"
         )
         assert rows == [(0, "failed"), (1, "cancelled")]  # stopped, and never started
+        # The stopped trial's attempt reads stopped in its ledger, not failed.
+        events = read_events(str(tmp_path / "runs" / f"{name}-t00" / "events.jsonl"))
+        ended = [e["outcome"] for e in events if e["event"] == "attempt_ended"]
+        assert ended == ["stopped"], ended
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(sweep.pid, signal.SIGKILL)
