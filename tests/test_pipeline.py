@@ -258,7 +258,7 @@ def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_ha
     )
     # The error says which budget ran out, not only what happened this time.
     budget = r"max_preemptions = 0 preemption\(s\) tolerated, all used: run it again"
-    with pytest.raises(WorkloadPreempted, match=budget):
+    with pytest.raises(WorkloadPreempted, match=budget) as first:
         tpu_training_pipeline(config=config)
     run = tpu_training_pipeline(config=config)
     assert run.status == "completed" and run.final_step == 40
@@ -269,6 +269,7 @@ def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_ha
     assert orchestrator[2] == run.flow_run_id != orchestrator[1]
     (saved,) = [e["step"] for e in events if e["event"] == "preempted"]
     assert 2 <= saved < 40
+    assert str(first.value).endswith(f"to resume from its newest checkpoint (step {saved})")
     resumed = [(e["attempt"], e["step"]) for e in events if e["event"] == "restored"]
     assert resumed == [(2, saved)]  # the workload stamps the attempt it was given
 
@@ -280,6 +281,24 @@ def test_a_rerun_after_a_failure_goes_on_numbering_attempts(tmp_path, prefect_ha
     out = format_report(load_report(str(tmp_path), "twice"))
     assert "attempts 2, preempted 1; wall" in out and "over 2 invocations" in out
     assert f"steps that count: 40 x {per_step:,} tokens" in out
+
+
+def test_a_spent_budget_with_no_checkpoint_says_a_rerun_starts_again(tmp_path, prefect_harness):
+    # It said "run it again to resume from its newest checkpoint" when there was none.
+    from flows.pipeline import tpu_training_pipeline
+    from tasks.watch import WorkloadPreempted
+
+    config = tiny_config(
+        tmp_path,
+        "run_name=none-saved",
+        "train.checkpoint_every=1000",
+        "slice.chaos.signal=KILL",
+        "slice.chaos.at_step=2",
+        "slice.chaos.times=1",
+        "resilience.max_preemptions=0",
+    )
+    with pytest.raises(WorkloadPreempted, match=r"resume from step 0: it has no checkpoint yet$"):
+        tpu_training_pipeline(config=config)
 
 
 def test_attempts_killed_before_saving_again_and_again_fail_the_run(tmp_path, prefect_harness):
