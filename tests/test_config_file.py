@@ -112,6 +112,17 @@ def test_d_ff_must_divide_only_over_the_axis_that_splits_it(tmp_path):
             r"\(with --set mesh\.data=3\)$",
         ),
         (["slice.chaos.times=2"], r"^--set: slice\.chaos: slice\.chaos\.times > 0 needs a trigger"),
+        # an override a later one replaced is not named: it had no effect
+        (
+            ["train.steps=20", "train.steps=2"],
+            r"c\.yaml:8: train\.warmup_steps = 2 must be below train\.steps = 2 "
+            r"\(with --set train\.steps=2\)$",
+        ),
+        (
+            ["train.steps=20", "train={steps: 2, warmup_steps: 2}"],
+            r"train\.warmup_steps = 2 must be below .* "
+            r"\(from --set 'train=\{steps: 2, warmup_steps: 2\}'\)$",
+        ),
     ],
 )
 def test_a_value_from_set_is_blamed_on_its_override(tmp_path, overrides, message):

@@ -108,9 +108,15 @@ class Blame:
         return named[0] if named else ()
 
     def _overrides_of(self, field: tuple) -> list[str]:
-        # An override of the field or of a section holding it, or of a key inside it.
+        # An override of the field or of a section holding it, or of a key inside it; not
+        # one a later override replaced (`--set slice.hosts=2 --set slice.hosts=3`: the 3).
         n = len(field)
-        return [t for p, t in self.overrides if field and (field[: len(p)] == p or p[:n] == field)]
+        live = [
+            (p, t)
+            for i, (p, t) in enumerate(self.overrides)
+            if not any(p[: len(q)] == q for q, _ in self.overrides[i + 1 :])
+        ]
+        return [t for p, t in live if field and (field[: len(p)] == p or p[:n] == field)]
 
     def _from_override(self, field: tuple) -> bool:
         if not field:
