@@ -20,15 +20,20 @@ import sys
 MODULE_LOGGERS = ("infra", "tasks", "workloads")
 
 # Failures whose message is all a user needs: a refused config or input, a run another
-# orchestrator runs. Prefect's task and flow engines logged each with its traceback, twice
-# (about 80 lines, on the console and in the UI) above the CLI's one-line refusal.
-# Matched by name: this module imports none of them (see the module docstring).
+# orchestrator runs, and the watch's verdicts on a workload (a spent preemption budget, a
+# workload that failed: the message names the budget, the error and the logs, and the
+# traceback would show only the watch's own code). Prefect's task and flow engines logged
+# each with its traceback, twice (about 80 lines, on the console and in the UI) above the
+# CLI's one-line error. Matched by name: this module imports none of them (see the module
+# docstring).
 REFUSALS = (
     "workloads.config_file.ConfigError",
     "workloads.sources.DatasetError",
     "tasks.run_lock.RunInUse",
     "tasks.run_owner.RunOwnerConflict",
     "tasks.own_slice.SliceNameTaken",
+    "tasks.watch.WorkloadPreempted",
+    "tasks.watch.WorkloadFailed",
 )
 RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 

@@ -468,6 +468,29 @@ def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
     assert "Traceback" not in text
 
 
+def test_cli_reports_a_spent_preemption_budget_without_a_traceback(tmp_path):
+    # Prefect logged the budget's WorkloadPreempted with two chained tracebacks of the
+    # watch's own code, twice, above the CLI's one line that says it all.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "ph")}
+    env.pop("PREFECT_API_URL", None)
+    overrides = [
+        f"storage.root={tmp_path}",
+        "slice.chaos.signal=KILL",
+        "slice.chaos.at_step=2",
+        "slice.chaos.times=1",
+        "resilience.max_preemptions=0",
+    ]
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs/tiny.yaml")]
+    cmd += [arg for o in overrides for arg in ("--set", o)]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    text = out.stdout + out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("pipeline failed: ")]
+    assert said and "max_preemptions = 0 preemption(s) tolerated, all used" in said[0]
+    assert "Task run failed with exception: WorkloadPreempted(" in text  # logged, one line
+    assert "Traceback" not in text
+
+
 def test_invalid_config_fails_in_validation_before_any_slice(tmp_path, prefect_harness):
     from flows.pipeline import tpu_training_pipeline
 
