@@ -176,8 +176,7 @@ def _same_format(
 def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
     """The source files added, removed or changed since `dataset_dir` was sharded, from its
     manifest (where the run's datasets are: local, or published to gs://); else that it was
-    built in an older dataset format,
-    that its manifest is gone, or the general causes."""
+    built in an older dataset format, that its manifest is gone, or the general causes."""
     try:
         manifest = load_manifest(dataset_dir)
     except (DatasetError, OSError):

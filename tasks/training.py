@@ -231,14 +231,10 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
                 f"than preempted; see {plan.run_dir}/logs/"
             ) from exc
         if budget_spent(res.max_preemptions):
-            newest = _newest_step(plan)
-            resume = (
-                "from step 0: it has no checkpoint yet"
-                if newest == 0
-                else f"from its newest checkpoint (step {newest})"
-                if newest
-                else "from its newest checkpoint"
-            )
+            newest = _newest_step(plan)  # None: its checkpoints could not be listed
+            resume = "from its newest checkpoint"
+            if newest is not None:
+                resume = f"{resume} (step {newest})" if newest else "from step 0: it has none yet"
             raise WorkloadPreempted(
                 f"{exc}; resilience.max_preemptions = {res.max_preemptions} preemption(s) "
                 f"tolerated, all used: run it again to resume {resume}"
