@@ -99,11 +99,8 @@ def check_resumable(
         # Files touched, copied or checked out again: told once the dataset is sharded,
         # before anything is provisioned (`same_records_result`).
         return plan.model_copy(update={"same_records_as": stored.dataset_dir})
-    raise ConfigError(
-        _other_data(
-            plan, stored.dataset_dir, fingerprint, _changes(stored.dataset_dir, files or [])
-        )
-    )
+    why = _changes(stored.dataset_dir, files or [])
+    raise ConfigError(_other_data(plan, stored.dataset_dir, fingerprint, why))
 
 
 def same_records_result(plan: RunPlan, result: ShardResult) -> ShardResult:
@@ -145,11 +142,16 @@ def same_records_result(plan: RunPlan, result: ShardResult) -> ShardResult:
 
 def _other_data(plan: RunPlan, trained_dir: str, now: str, why: str) -> str:
     trained_on = posixpath.basename(trained_dir.rstrip("/"))
+    # Its manifest gone, the sources may be as they were: the dataset is what to restore.
+    restore = "that dataset" if why.startswith(_NO_MANIFEST) else "them"
     return (
         f"run {plan.run_name!r} trained on dataset {trained_on} ({trained_dir}), but its "
         f"sources now give dataset {now} ({why}); resuming or evaluating it again would go "
-        "on over other data. Restore them, or choose a new run_name"
+        f"on over other data. Restore {restore}, or choose a new run_name"
     )
+
+
+_NO_MANIFEST = "its directory holds no readable manifest.json"
 
 
 def _same_format(
@@ -180,9 +182,9 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
     try:
         manifest = load_manifest(dataset_dir)
     except (DatasetError, OSError):
+        how = "deleted from the bucket?" if "://" in dataset_dir else "deleted with the datasets?"
         return (
-            "its directory holds no readable manifest.json (deleted with the dataset cache?), "
-            "so whether the sources still give its records cannot be told"
+            f"{_NO_MANIFEST} ({how}), so whether the sources still give its records cannot be told"
         )
     try:
         before = {s["uri"]: (s["size"], s["version"]) for s in manifest["sources"]}
@@ -199,6 +201,8 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
         # Told apart: such a file may hold the bytes it held (touched, copied, restored).
         ("modified, same size", [u for u in kept if now[u][0] == before[u][0]]),
     ]
+    if any(uris for _, uris in found[:3]):  # refused for those: these were not compared
+        found[3] = ("rewritten, same size (perhaps the same bytes)", found[3][1])
     said = [
         f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
     ]

@@ -291,7 +291,8 @@ def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp
     with pytest.raises(ConfigError, match=format_3 + r"tpupipe built it in dataset format 3"):
         check_inputs(cfg, plan_run(cfg))
     (tmp_path / old / "manifest.json").unlink()  # the dataset cache cleaned
-    with pytest.raises(ConfigError, match=r"holds no readable manifest\.json"):
+    gone = r"holds no readable manifest\.json \(deleted with the datasets\?\).*Restore that dataset"
+    with pytest.raises(ConfigError, match=gone):
         check_inputs(cfg, plan_run(cfg))
     (tmp_path / old / "manifest.json").write_text(json.dumps(manifest))
     edited = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"seq_len": 8})})

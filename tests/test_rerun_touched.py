@@ -83,7 +83,7 @@ def test_other_changes_are_refused_before_anything_is_sharded(tmp_path):
         check_inputs(cfg, plan_run(cfg))
     # A file only touched (or restored) beside it is told apart: it may hold its bytes.
     bump_mtime(corpus / "3.txt")
-    both = r"\(changed: .*2\.txt; modified, same size: .*3\.txt\)"
+    both = r"\(changed: .*2\.txt; rewritten, same size \(perhaps the same bytes\): .*3\.txt\)"
     with pytest.raises(ConfigError, match=both):
         check_inputs(cfg, plan_run(cfg))
     (corpus / "2.txt").write_text("document 2 " * 40)

@@ -61,6 +61,13 @@ def test_a_gs_rooted_run_goes_on_after_its_objects_are_uploaded_again(
     gcs_client.bucket(bucket).blob("corpus/4.txt").delete()
     with pytest.raises(ConfigError, match=rf"removed: gs://{bucket}/corpus/4\.txt"):
         tpu_training_pipeline(config=config)
+    # The dataset it trained on gone from the bucket: that is what to restore.
+    gcs_client.bucket(bucket).blob("corpus/4.txt").upload_from_string(texts["corpus/4.txt"])
+    trained = first.removeprefix(f"gs://{bucket}/")
+    gcs_client.bucket(bucket).blob(f"{trained}/manifest.json").delete()
+    gone = r"no readable manifest\.json \(deleted from the bucket\?\).*Restore that dataset"
+    with pytest.raises(ConfigError, match=gone):
+        tpu_training_pipeline(config=config)
     row = DuckDBSink(tmp_path / ".tpupipe" / "metrics.duckdb").read_run("regen")
     assert (row.status, row.error) == ("completed", None)
 
