@@ -7,7 +7,7 @@ and write a PNG of its loss curve and attempt timeline.
         --set cost.priced_as=v5litepod-8 --set cost.region=us-central1   # re-price it
 
 Each attempt is priced as it recorded (older attempts: by the run's config.json), or by the
-cost section of `--config` when that file (or a `--set cost.…`) has one. Exits 0 with the
+cost section of `--config` when that file (or a `--set cost.…`) sets one. Exits 0 with the
 report, 1 when the run does not exist (naming the runs that do), a file of it or its price
 table cannot be read or the plot cannot be written, 2 on an invalid config.
 """
@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"invalid config:\n{exc}", file=sys.stderr)
             return 2
-        # Its cost section re-prices the run only if it has one: used to find a gs:// root,
-        # a config without one (the default, "not priced") hid every recorded price.
-        cost = config.cost if "cost" in config.model_fields_set else None
+        # Its cost section re-prices the run only if it sets a price: used to find a gs://
+        # root, a config without one (the default, "not priced") hid every recorded price.
+        cost = config.cost if config.cost != type(config.cost)() else None
         root = root or config.storage.root
     elif args.overrides:
         print("--set needs --config (it overrides that file's fields)", file=sys.stderr)

@@ -86,9 +86,10 @@ def test_report_can_reprice_a_run_and_write_elsewhere(tmp_path, capsys):
     assert out_png.read_bytes().startswith(PNG_MAGIC)
     # A config with no cost section of its own, given to find the root: the recorded prices
     # stand (it re-priced them all as "not priced: a local slice").
-    assert cli_main([*args[:-2], "--no-png"]) == 0
-    out = capsys.readouterr().out
-    assert f"cost: ${COST:.4f}" in out and "not priced" not in out
+    for unset in ([], ["--set", "cost.usd_per_chip_hour=null"], ["--set", "cost={}"]):
+        assert cli_main([*args[:-2], *unset, "--no-png"]) == 0
+        out = capsys.readouterr().out
+        assert f"cost: ${COST:.4f}" in out and "not priced" not in out, unset
 
 
 def test_an_unpriced_run_reports_chip_hours_without_cost(tmp_path, capsys):
