@@ -33,7 +33,12 @@ class ChaosConfig(_Strict):
     during_save: bool = Field(
         False, description="Signal right after a checkpoint save starts, while it is written."
     )
-    times: Int = Field(0, ge=0, description="How many attempts of the run are hit.")
+    times: Int = Field(
+        0,
+        ge=0,
+        description="How many attempts of the run are hit (one that ends before its trigger "
+        "fires is not counted).",
+    )
     fail_creates: Int = Field(
         0, ge=0, description="The run's first N slice creates fail with a capacity error."
     )

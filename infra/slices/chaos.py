@@ -72,7 +72,6 @@ class ChaosMonkey:
         times = self.settings.get("times", 0)
         if not times or run_dir is None or self._counters()["attempts_hit"] >= times:
             return None
-        self._bump("attempts_hit")
         remote = "://" in run_dir
         where = epath.Path(run_dir) if remote else Path(run_dir)
         seen = len(_lines(where / "events.jsonl"))
@@ -98,6 +97,9 @@ class ChaosMonkey:
                 step = (_read_json(run_dir / "status.json") or {}).get("step") or 0
                 fire = fire or step - base >= at_step
             if fire:
+                # Counted when sent: an attempt that finished before its trigger (at_step
+                # near the run's end, read late from GCS) is no hit, and the next is watched.
+                self._bump("attempts_hit")
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, sig)
                 return
