@@ -21,7 +21,7 @@ MODULE_LOGGERS = ("infra", "tasks", "workloads")
 
 # Failures whose message is all a user needs: a refused config or input, a run another
 # orchestrator runs, and the watch's verdicts on a workload (a spent preemption budget, a
-# workload that failed: the message names the budget, the error and the logs, and the
+# workload that failed, a stop: the message names the budget, the error and the logs, and the
 # traceback would show only the watch's own code). Prefect's task and flow engines logged
 # each with its traceback, twice (about 80 lines, on the console and in the UI) above the
 # CLI's one-line error. Matched by name: this module imports none of them (see the module
@@ -34,6 +34,7 @@ REFUSALS = (
     "tasks.own_slice.SliceNameTaken",
     "tasks.watch.WorkloadPreempted",
     "tasks.watch.WorkloadFailed",
+    "tasks.watch.WatchStopped",  # a sweep's trial, stopped with its sweep
 )
 RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 

@@ -212,7 +212,7 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     progress.finish()
     # A rerun over sources touched since goes on over the dataset it trained on, if the
     # one just sharded holds its records.
-    result = same_records_result(plan, built)
+    result = same_records_result(plan, built, say=False)  # said by `check_same_records`
     if remote:  # under that dataset's name: the shards built here are its shards
         name = posixpath.basename(result.dataset_dir.rstrip("/"))
         dataset_dir = publish_dataset(built.dataset_dir, plan.datasets_root, config, name=name)

@@ -103,12 +103,12 @@ def check_resumable(
     raise ConfigError(_other_data(plan, stored.dataset_dir, fingerprint, why))
 
 
-def same_records_result(plan: RunPlan, result: ShardResult) -> ShardResult:
+def same_records_result(plan: RunPlan, result: ShardResult, say: bool = True) -> ShardResult:
     """After sharding: what a rerun whose sources changed only their versions trains on.
 
     The dataset it trained on, if the one just sharded has its shards byte for byte: the
     same records, and the one its checkpoints' data-iterator states name. Any other run
-    gets `result` as it is.
+    gets `result` as it is. With `say`, it logs that the run goes on over that dataset.
 
     Raises:
         ConfigError: the shards differ (a file edited without changing its size), or the
@@ -130,13 +130,14 @@ def same_records_result(plan: RunPlan, result: ShardResult) -> ShardResult:
         name = posixpath.basename(result.dataset_dir.rstrip("/"))
         why = f"{changed}: the shards they give are not the run's"
         raise ConfigError(_other_data(plan, trained, name, why))
-    log.info(
-        "run %s: its sources' modification times changed, not their content (dataset %s "
-        "has the same shards): it goes on over %s",
-        plan.run_name,
-        result.dataset_dir,
-        trained,
-    )
+    if say:
+        log.info(
+            "run %s: its sources' modification times changed, not their content (dataset %s "
+            "has the same shards): it goes on over %s",
+            plan.run_name,
+            result.dataset_dir,
+            trained,
+        )
     return ShardResult(trained, before, cached=True)
 
 

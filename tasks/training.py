@@ -234,7 +234,11 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             newest = _newest_step(plan)  # None: its checkpoints could not be listed
             resume = "from its newest checkpoint"
             if newest is not None:
-                resume = f"{resume} (step {newest})" if newest else "from step 0: it has none yet"
+                resume = (
+                    f"{resume} (step {newest})"
+                    if newest
+                    else "from step 0: it has no checkpoint yet"
+                )
             raise WorkloadPreempted(
                 f"{exc}; resilience.max_preemptions = {res.max_preemptions} preemption(s) "
                 f"tolerated, all used: run it again to resume {resume}"

@@ -297,7 +297,7 @@ def test_a_spent_budget_with_no_checkpoint_says_a_rerun_starts_again(tmp_path, p
         "slice.chaos.times=1",
         "resilience.max_preemptions=0",
     )
-    with pytest.raises(WorkloadPreempted, match=r"resume from step 0: it has none yet$"):
+    with pytest.raises(WorkloadPreempted, match=r"resume from step 0: it has no checkpoint yet$"):
         tpu_training_pipeline(config=config)
 
 

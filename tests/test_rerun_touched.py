@@ -11,6 +11,7 @@ changing its size is still refused, naming it, before anything is provisioned.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def test_other_changes_are_refused_before_anything_is_sharded(tmp_path):
 
 @pytest.mark.integration
 def test_the_pipeline_resumes_a_touched_run_and_refuses_an_edited_one_without_landing(
-    tmp_path, prefect_harness
+    tmp_path, prefect_harness, caplog
 ):
     from flows.pipeline import tpu_training_pipeline
     from infra.metrics import DuckDBSink
@@ -115,8 +116,11 @@ def test_the_pipeline_resumes_a_touched_run_and_refuses_an_edited_one_without_la
     first = trained_on()
     for path in corpus.iterdir():  # a checkout that rewrote every file
         bump_mtime(path)
-    assert tpu_training_pipeline(config=config).status == "completed"  # evaluated again
+    with caplog.at_level(logging.INFO, logger="tasks.rerun"):
+        assert tpu_training_pipeline(config=config).status == "completed"  # evaluated again
     assert trained_on() == first
+    said = [r for r in caplog.records if "modification times changed" in r.getMessage()]
+    assert len(said) == 1  # by the check before provisioning, not again by the shard stage
     (corpus / "4.txt").write_text("Y" + (corpus / "4.txt").read_text()[1:])
     with pytest.raises(ConfigError, match=r"modified, same size: .*: the shards they give"):
         tpu_training_pipeline(config=config)
