@@ -68,14 +68,20 @@ class TrainingProgress:
         self.artifact_id: UUID | None = None
         self.percent = -1.0
         self._phase: str | None = None
+        self._step: int | None = None  # the step shown
         self._failed = False
 
     def update(self, heartbeat: dict[str, Any] | None) -> float | None:
         """Move the bar to the heartbeat's step; returns the percent shown (None before
-        the first heartbeat with a step, or when nothing changed)."""
-        if not heartbeat or heartbeat.get("step") is None or self._failed:
+        the first heartbeat with a step, or when nothing changed). A heartbeat without a
+        step (a workload's "failed") keeps the step shown and says its phase."""
+        if not heartbeat or self._failed:
             return None
-        step, phase = int(heartbeat["step"]), heartbeat.get("phase")
+        step = heartbeat.get("step")
+        step = self._step if step is None else step
+        if step is None:
+            return None
+        step, phase = int(step), heartbeat.get("phase")
         percent = 100.0 if phase == "finished" else min(100.0, 100.0 * step / self.total_steps)
         now = self._clock()
         moved = percent - self.percent >= self.min_step and now - self._sent_at >= (
@@ -96,7 +102,7 @@ class TrainingProgress:
             _log.warning("training progress artifact %s stopped updating", self.key, exc_info=True)
             self._failed = True
             return None
-        self.percent, self._phase, self._sent_at = percent, phase, now
+        self.percent, self._phase, self._sent_at, self._step = percent, phase, now, step
         return percent
 
     def describe(self, step: int, loss: float | None, phase: str | None) -> str:

@@ -219,6 +219,10 @@ def watch_slice(
         # A "failed" heartbeat says no step (written outside the loop), nor does one of
         # another tool: the message of a kill then said "at step None".
         final = {**final, "step": our_step}
+    if on_heartbeat is not None and final:
+        # How it ended ("finished" repeats the last step, "failed" says none): passed on
+        # only when the step moved, the UI's bar stayed at "(training)" for good.
+        on_heartbeat(final)
     if status.failure:  # the workload never ran: a heartbeat's error is an older attempt's
         final = {**final, "error": status.failure}
     elif status.exit_code not in (0, PREEMPTED_EXIT, SUPERSEDED_EXIT, None):

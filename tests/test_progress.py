@@ -136,3 +136,64 @@ def test_a_loss_curve_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path
     assert write_loss_curve(str(tmp_path)) is None
     assert "could not write the loss curve" in caplog.text and "loss_curve.png" in caplog.text
     assert loss_curve_link(None) == "n/a"
+
+
+class Beats:
+    """A run directory whose heartbeat is `beats` in turn (the last one for good)."""
+
+    def __init__(self, beats: list[dict]) -> None:
+        self.beats = beats
+
+    def read_status(self) -> dict:
+        return self.beats.pop(0) if len(self.beats) > 1 else self.beats[0]
+
+    def host_failures(self) -> dict:
+        return {}
+
+
+class Ends:
+    """A slice READY for `polls` looks, then TERMINATED with `code`."""
+
+    def __init__(self, polls: int, code: int) -> None:
+        self.polls, self.code = polls, code
+
+    def status(self, name: str):
+        from infra.slices import SliceState, SliceStatus
+
+        self.polls -= 1
+        if self.polls >= 0:
+            return SliceStatus(name, SliceState.READY, None)
+        return SliceStatus(name, SliceState.TERMINATED, self.code)
+
+
+@pytest.mark.parametrize(
+    ("code", "last", "said"),
+    [
+        (
+            0,
+            {"phase": "finished", "step": 12, "loss": 2.5},
+            "step 12 of 12, loss 2.5000 (finished)",
+        ),
+        (1, {"phase": "failed", "error": "NonFiniteError: loss is nan"}, "step 12 of 12 (failed)"),
+    ],
+)
+def test_the_bar_ends_saying_how_the_workload_ended(code, last, said):
+    # Passed on only when the step moved, the end ("finished" at the last step shown,
+    # "failed" with no step) never reached the bar: the UI said "(training)" for good.
+    from tasks.watch import WatchSettings, WorkloadFailed, watch_slice
+    from tests.helpers import FakeClock
+
+    fake = FakeArtifacts()
+    bar = TrainingProgress(12, "k", create=fake.create, update=fake.update, min_interval_s=0.0)
+    training = {"phase": "training", "step": 12, "loss": 2.5, "time": 1.0}
+    beats = Beats([training, {**last, "time": 2.0}])
+    clock = FakeClock(0.0, limit=1e5)
+    settings = WatchSettings(poll_s=1, heartbeat_timeout_s=600, confirm_s=60)
+    args = (Ends(1, code), "s", beats, settings, lambda m: None, bar.update, clock, clock.sleep)
+    if code:
+        with pytest.raises(WorkloadFailed):
+            watch_slice(*args, wall=lambda: 0.0)
+    else:
+        assert watch_slice(*args, wall=lambda: 0.0).final_step == 12
+    assert fake.calls[0][2] == "step 12 of 12, loss 2.5000 (training)"
+    assert fake.calls[-1][2] == said
