@@ -35,6 +35,9 @@ REFUSALS = (
     "tasks.watch.WorkloadPreempted",
     "tasks.watch.WorkloadFailed",
     "tasks.watch.WatchStopped",  # a sweep's trial, stopped with its sweep
+    # A deployment's run given a config that does not validate (the UI's Run form): the
+    # flow engine refuses its parameters before the flow starts, naming each field.
+    "prefect.exceptions.ParameterTypeError",
 )
 RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 
@@ -96,13 +99,17 @@ def _last_resort(record: logging.LogRecord) -> None:
 
 class _RefusalsWithoutTraceback(logging.Filter):
     """Drops the traceback of a record whose exception is one of `REFUSALS` (or a
-    subclass); its message, which names the exception, stays."""
+    subclass); its message stays, followed by the exception's when it does not name it
+    (the flow engine's "Engine execution exited with unexpected exception" said no more)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
         if exc is not None and any(
             f"{cls.__module__}.{cls.__qualname__}" in REFUSALS for cls in type(exc).__mro__
         ):
+            message = record.getMessage()
+            if type(exc).__name__ not in message:
+                record.msg, record.args = f"{message}: {type(exc).__name__}: {exc}", ()
             record.exc_info, record.exc_text = None, None
         return True
 

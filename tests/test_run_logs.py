@@ -131,3 +131,32 @@ def test_every_refusal_logged_without_traceback_names_an_exception_class():
         found = getattr(importlib.import_module(module), cls, None)
         assert isinstance(found, type) and issubclass(found, Exception), name
         assert f"{found.__module__}.{found.__qualname__}" == name, name
+
+
+def test_a_refusal_is_logged_in_one_line_that_names_it():
+    # A deployment's run given a config that does not validate (the UI's Run form) was
+    # logged "Engine execution exited with unexpected exception" and a Prefect traceback;
+    # with the traceback dropped alone, that line would name nothing.
+    import logging
+    import sys
+
+    from prefect.exceptions import ParameterTypeError
+
+    from tasks.logs import _RefusalsWithoutTraceback
+
+    def record(message: str, *args: object) -> logging.LogRecord:
+        try:
+            raise ParameterTypeError("train.warmup_steps = 50 must be below train.steps = 10")
+        except ParameterTypeError:
+            info = sys.exc_info()
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, "f", 1, message, args, info)
+
+    bare = record("Engine execution exited with unexpected exception")
+    named = record("Failed: %s", "ParameterTypeError(...)")
+    assert _RefusalsWithoutTraceback().filter(bare) and _RefusalsWithoutTraceback().filter(named)
+    assert (bare.exc_info, named.exc_info) == (None, None)
+    assert bare.getMessage() == (
+        "Engine execution exited with unexpected exception: ParameterTypeError: "
+        "train.warmup_steps = 50 must be below train.steps = 10"
+    )
+    assert named.getMessage() == "Failed: ParameterTypeError(...)"  # named already
