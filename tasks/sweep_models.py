@@ -34,6 +34,7 @@ class SweepPlan(BaseModel):
     objective: str
     max_parallel: int
     base: PipelineConfig
+    held_warning: str | None = None  # chips of the limit held when it was planned
 
 
 class TrialOutcome(BaseModel):

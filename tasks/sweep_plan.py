@@ -107,8 +107,10 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         if via == "deployment":
             ensure_trial_deployment(config.trial_deployment, client)
         needed = max(t.chips for t in trials)
-        warn = get_run_logger().warning
-        chips = ensure_chip_limit(config.chip_limit, config.chip_quota, needed, client, warn)
+        # Said once this sweep holds its name (`sweep_lock`): a second sweep of a running
+        # name, refused there, told to free chips its first run legitimately held.
+        held: list[str] = []
+        chips = ensure_chip_limit(config.chip_limit, config.chip_quota, needed, client, held.append)
     plan = SweepPlan(
         sweep_id=sweep_id,
         flow_run_id=flow_run_id,
@@ -120,6 +122,7 @@ def plan_sweep(config: SweepConfig, flow_run_id: str | None, deployed: bool) -> 
         objective=config.objective,
         max_parallel=config.max_parallel or len(trials),
         base=config.base,
+        held_warning=held[0] if held else None,
     )
     at_once = min(plan.max_parallel, _most_at_once(chips, [t.chips for t in trials]))
     get_run_logger().info(
@@ -157,6 +160,8 @@ def sweep_lock(plan: SweepPlan) -> Iterator[None]:
     """
     first = plan_run(plan.trials[0].config).model_copy(update={"flow_run_id": plan.flow_run_id})
     with sweep_held(first, plan.sweep_id, plan.trials[0].config):
+        if plan.held_warning:
+            get_run_logger().warning(plan.held_warning)
         yield
 
 

@@ -403,9 +403,16 @@ def test_a_second_sweep_of_a_running_sweep_name_stops_before_any_trial(tmp_path,
     """Two sweeps of one name at once each recorded the other's running trial as failed
     (RunInUse), and the last to land replaced the `sweeps` rows: a completed trial was
     listed failed, without its chip-hours."""
+    import logging
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
     from flows.sweep import sweep
     from tasks.plan import plan_run
     from tasks.run_lock import RunInUse, sweep_held
+    from tasks.sweep_plan import plan_sweep, sweep_lock
 
     config = SweepConfig(
         base=tiny_config(tmp_path),
@@ -415,9 +422,40 @@ def test_a_second_sweep_of_a_running_sweep_name_stops_before_any_trial(tmp_path,
         chip_quota=8,
     )
     first = build_trials(config, "busy")[0].config
+    # The running sweep holds chips of the limit: the refused one told the user to free them.
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=config.chip_limit, limit=8, active_slots=8)
+        )
+    said: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: said.append(record.getMessage())
+    loggers = [logging.getLogger(f"prefect.{kind}_runs") for kind in ("task", "flow")]
+    for logger in loggers:
+        logger.addHandler(keep)
     busy = pytest.raises(RunInUse, match=r"sweep 'busy' is being run by another orchestrator")
-    with sweep_held(plan_run(first), "busy", first), busy:  # as another orchestrator would hold it
-        sweep(config=config)
+    try:
+        with sweep_held(plan_run(first), "busy", first), busy:  # as another orchestrator would
+            sweep(config=config)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(keep)
     assert not (tmp_path / "runs").exists()  # no trial started
+    assert any("trials as subflows" in m for m in said)  # planned, then refused
+    assert not any("are held now" in m for m in said), said
+
+    @flow
+    def planned_and_held() -> None:  # a sweep that gets its name says it, once it has it
+        with sweep_lock(plan_sweep(config, None, deployed=False)):
+            pass
+
+    for logger in loggers:
+        logger.addHandler(keep)
+    try:
+        planned_and_held()
+    finally:
+        for logger in loggers:
+            logger.removeHandler(keep)
+    assert sum("8 of the 8 chips of limit" in m and "are held now" in m for m in said) == 1
     with sweep_held(plan_run(first), "other", first):  # another sweep name: no conflict
         pass
