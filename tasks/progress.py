@@ -69,6 +69,7 @@ class TrainingProgress:
         self.percent = -1.0
         self._phase: str | None = None
         self._step: int | None = None  # the step shown
+        self._loss: float | None = None  # and its loss
         self._failed = False
 
     def update(self, heartbeat: dict[str, Any] | None) -> float | None:
@@ -90,7 +91,8 @@ class TrainingProgress:
         moved = moved or percent == 100.0 > self.percent
         if self.artifact_id is not None and not moved and phase == self._phase:
             return None
-        description = self.describe(step, heartbeat.get("loss"), phase)
+        loss = heartbeat.get("loss", self._loss if step == self._step else None)
+        description = self.describe(step, loss, phase)
         try:
             if self.artifact_id is None:
                 self.artifact_id = self._create(
@@ -103,7 +105,19 @@ class TrainingProgress:
             self._failed = True
             return None
         self.percent, self._phase, self._sent_at, self._step = percent, phase, now, step
+        self._loss = loss
         return percent
+
+    def end(self, outcome: str, step: int | None = None) -> None:
+        """Say how the attempt ended (`finished`, `preempted`, `failed`, `stopped`), at
+        `step` or the step shown, whatever the last heartbeat passed on said: a workload
+        killed outright leaves one that says "training", and a stopped orchestrator none.
+        Nothing before the bar exists (an attempt that never trained)."""
+        if self.artifact_id is None or self._failed:
+            return
+        # A new phase is always sent; said already (the watch passed on the workload's own
+        # last heartbeat, "finished" at its step), nothing is.
+        self.update({"step": self._step if step is None else step, "phase": outcome})
 
     def describe(self, step: int, loss: float | None, phase: str | None) -> str:
         """The line under the bar: `step 40 of 100, loss 3.2104 (training)`."""

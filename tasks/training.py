@@ -162,6 +162,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
     provider = _provider(config, plan)
     resumes_from = _newest_step(plan)
     deleted = False
+    progress = TrainingProgress(config.train.steps, progress_key(plan.run_id))
     try:
         name = provision(config, plan, config_path, attempt, lease)
         settings = WatchSettings(
@@ -169,7 +170,6 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             config.slice.heartbeat_timeout_s,
             res.heartbeat_confirm_s,
         )
-        progress = TrainingProgress(config.train.steps, progress_key(plan.run_id))
         outcome = watch_slice(
             provider,
             name,
@@ -181,6 +181,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             log_path=slice_log_path(config, plan),
         )
         events.emit("attempt_ended", outcome="completed")
+        progress.end("finished", outcome.final_step)
         logger.info("training finished at step %s in %.1fs", outcome.final_step, outcome.seconds)
         return outcome
     except WorkloadNeverStarted as exc:
@@ -212,6 +213,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
             # Even when a signal stops the delete (minutes on Cloud TPU): without it, the
             # ledger called the attempt running, then abandoned, and its deletion lost time.
             events.emit("attempt_ended", at=ended, outcome="preempted", reason=str(exc), **stalled)
+            progress.end("preempted")
         logger.warning("attempt %d preempted: %s", attempt, exc)
         ledger = read_events(f"{plan.run_dir}/{EVENTS}") if stalled else []
         if (in_a_row := stalled_in_a_row(ledger, plan.flow_run_id)) >= res.max_stalled_attempts:
@@ -247,6 +249,7 @@ def train_attempt(config: PipelineConfig, plan: RunPlan, config_path: str) -> Tr
     except BaseException as exc:
         outcome, reason = ended_by(exc, stopped=isinstance(exc, WatchStopped))  # a sweep's
         events.emit("attempt_ended", outcome=outcome, reason=reason)
+        progress.end(outcome)
         raise
     finally:
         if not deleted:

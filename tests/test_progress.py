@@ -174,7 +174,11 @@ class Ends:
             {"phase": "finished", "step": 12, "loss": 2.5},
             "step 12 of 12, loss 2.5000 (finished)",
         ),
-        (1, {"phase": "failed", "error": "NonFiniteError: loss is nan"}, "step 12 of 12 (failed)"),
+        (
+            1,
+            {"phase": "failed", "error": "NonFiniteError: loss is nan"},
+            "step 12 of 12, loss 2.5000 (failed)",
+        ),
     ],
 )
 def test_the_bar_ends_saying_how_the_workload_ended(code, last, said):
@@ -197,3 +201,20 @@ def test_the_bar_ends_saying_how_the_workload_ended(code, last, said):
         assert watch_slice(*args, wall=lambda: 0.0).final_step == 12
     assert fake.calls[0][2] == "step 12 of 12, loss 2.5000 (training)"
     assert fake.calls[-1][2] == said
+
+
+def test_the_bar_ends_with_the_attempts_outcome_whatever_its_last_heartbeat_said():
+    # A workload killed outright leaves a "training" heartbeat, and a stopped orchestrator
+    # reads none: the bar said "(training)" for good. The attempt's outcome ends it.
+    fake = FakeArtifacts()
+    bar = TrainingProgress(12, "k", create=fake.create, update=fake.update, min_interval_s=60.0)
+    bar.end("stopped")  # no bar yet (the attempt never trained): nothing made
+    assert fake.calls == []
+    bar.update({"step": 4, "loss": 5.0, "phase": "training"})
+    bar.update({"step": 7, "loss": 4.5, "phase": "training"})  # held back: 60 s not passed
+    bar.end("preempted")
+    assert fake.calls[-1] == ("update", 100 * 4 / 12, "step 4 of 12, loss 5.0000 (preempted)")
+    bar.end("preempted")  # said already: not sent again
+    bar.end("finished", 12)
+    assert fake.calls[-1] == ("update", 100.0, "step 12 of 12 (finished)")
+    assert len(fake.calls) == 3
