@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,8 +133,7 @@ def copied_corpus(paths: list[str], root: Path, copies: int) -> Path:
         for p in paths:
             dst = top / f"copy-{i}" / os.path.relpath(p, base)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            with open(p, "rb") as src, open(dst, "wb") as out:
-                out.write(src.read())
+            shutil.copyfile(p, dst)
     return top
 
 

@@ -74,6 +74,13 @@ class Blame:
 
     def __init__(self, source: str, lines: dict, overrides: list[tuple[tuple, str]]):
         self.source, self.lines, self.overrides = source, lines, overrides
+        # The overrides in effect: not one a later override replaced (`--set slice.hosts=2
+        # --set slice.hosts=3`: the 3), which had no effect to be blamed for.
+        self._live = [
+            (p, t)
+            for i, (p, t) in enumerate(overrides)
+            if not any(p[: len(q)] == q for q, _ in overrides[i + 1 :])
+        ]
 
     def line(self, loc: tuple, problem: str, got: str | None) -> str:
         named = [
@@ -108,15 +115,9 @@ class Blame:
         return named[0] if named else ()
 
     def _overrides_of(self, field: tuple) -> list[str]:
-        # An override of the field or of a section holding it, or of a key inside it; not
-        # one a later override replaced (`--set slice.hosts=2 --set slice.hosts=3`: the 3).
+        # An override in effect of the field or of a section holding it, or of a key inside it.
         n = len(field)
-        live = [
-            (p, t)
-            for i, (p, t) in enumerate(self.overrides)
-            if not any(p[: len(q)] == q for q, _ in self.overrides[i + 1 :])
-        ]
-        return [t for p, t in live if field and (field[: len(p)] == p or p[:n] == field)]
+        return [t for p, t in self._live if field and (field[: len(p)] == p or p[:n] == field)]
 
     def _from_override(self, field: tuple) -> bool:
         if not field:

@@ -8,7 +8,8 @@ live in the slice registry, so "hit the first `times` attempts" and "fail the fi
 `fail_creates` creates" hold across provider instances and orchestrator restarts.
 
 The run directory may be in GCS (a gs:// storage root with local slices): it is read
-through `etils.epath` there, polled less often, since each read is a request. Read as a
+through `etils.epath` (`workloads.events.event_lines`), polled less often there, since each
+read is a request. Read as a
 local path, it was never found, so `at_step` and `during_save` never fired (while the
 attempt still counted as hit).
 """
@@ -27,6 +28,7 @@ from typing import Any
 from etils import epath
 
 from infra.slices.base import ProvisioningError
+from workloads.events import event_lines
 
 _POLL_S = 0.02
 _REMOTE_POLL_S = 0.1  # two object reads per poll
@@ -72,21 +74,20 @@ class ChaosMonkey:
         times = self.settings.get("times", 0)
         if not times or run_dir is None or self._counters()["attempts_hit"] >= times:
             return None
-        remote = "://" in run_dir
-        where = epath.Path(run_dir) if remote else Path(run_dir)
-        seen = len(_lines(where / "events.jsonl"))
-        poll = _REMOTE_POLL_S if remote else _POLL_S
-        thread = threading.Thread(target=self._watch, args=(pgid, where, seen, poll), daemon=True)
+        seen = len(event_lines(run_dir))
+        poll = _REMOTE_POLL_S if "://" in run_dir else _POLL_S
+        thread = threading.Thread(target=self._watch, args=(pgid, run_dir, seen, poll), daemon=True)
         thread.start()
         return thread
 
-    def _watch(self, pgid: int, run_dir: Path | epath.Path, seen: int, poll_s: float) -> None:
+    def _watch(self, pgid: int, run_dir: str, seen: int, poll_s: float) -> None:
         sig = signal.SIGKILL if self.settings.get("signal") == "KILL" else signal.SIGTERM
         at_step, after_s = self.settings.get("at_step"), self.settings.get("after_s")
         during_save = self.settings.get("during_save", False)
         started, base = time.monotonic(), None
+        status = epath.Path(run_dir) / "status.json"
         while _alive(pgid):
-            new = [json.loads(line) for line in _lines(run_dir / "events.jsonl")[seen:]]
+            new = event_lines(run_dir)[seen:]
             for event in new:
                 if event.get("event") == "first_step" and base is None:
                     base = event.get("resumed_from", 0)
@@ -94,7 +95,7 @@ class ChaosMonkey:
             if during_save and any(e.get("event") == "checkpoint" for e in new):
                 fire = True
             if at_step is not None and base is not None:
-                step = (_read_json(run_dir / "status.json") or {}).get("step") or 0
+                step = (_read_json(status) or {}).get("step") or 0
                 fire = fire or step - base >= at_step
             if fire:
                 # Counted when sent: an attempt that finished before its trigger (at_step
@@ -106,18 +107,11 @@ class ChaosMonkey:
             time.sleep(poll_s)
 
 
-def _lines(path: Path | epath.Path) -> list[str]:
-    try:
-        return [line for line in path.read_text().splitlines() if line.endswith("}")]
-    except OSError:  # not written yet; in GCS, a read that failed: the next poll reads again
-        return []
-
-
-def _read_json(path: Path | epath.Path) -> dict | None:
+def _read_json(path: epath.Path) -> dict | None:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    except (OSError, json.JSONDecodeError):  # not written yet, or a failed read in GCS: the
+        return None  # next poll reads again
 
 
 def _alive(pgid: int) -> bool:

@@ -6,13 +6,12 @@ given to reproduce a preemption silently reproduced nothing."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from infra.slices.chaos import ChaosMonkey
+from tests.test_chaos_monkey import sleeper
 from workloads.events import EventLog
 from workloads.rundir import RunDir
 
@@ -26,9 +25,7 @@ def test_a_trigger_fires_on_a_run_directory_in_gcs(gcs_client, bucket, tmp_path,
     monkey = ChaosMonkey(tmp_path, "r", settings)
     events, status = EventLog(run_dir, attempt=1), RunDir(run_dir)
     events.emit("started")  # an earlier event: not this attempt's news
-    attempt = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
-    )
+    attempt = sleeper(60)
     try:
         watch = monkey.attach(attempt.pid, run_dir)
         assert watch is not None
