@@ -188,13 +188,17 @@ def _beat(event: dict) -> dict | None:
 
 def describe_error(exc: BaseException) -> str:
     """What a failed run's `runs.error` says: the exception's type and message, or for a
-    termination signal (Prefect's `TerminationSignal`, which has no message) its name."""
+    termination signal (Prefect's `TerminationSignal`, which has no message, or a bare
+    KeyboardInterrupt) its name."""
     signum = getattr(exc, "signal", None)
     if isinstance(signum, int):
         name = signal.Signals(signum).name
         # Prefect's worker cancels a flow run (the UI's Cancel) by SIGTERM to its process.
         how = " (a stop, or a cancel from the Prefect UI or API)" if name == "SIGTERM" else ""
         return f"{type(exc).__name__}: the orchestrator received {name}{how}"
+    if isinstance(exc, KeyboardInterrupt) and not str(exc):
+        # Python raises it bare for a SIGINT: "KeyboardInterrupt" alone told no one how.
+        return "KeyboardInterrupt: the orchestrator received SIGINT (Ctrl-C)"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

@@ -237,5 +237,8 @@ def test_an_attempt_ended_by_a_stop_reads_stopped_naming_the_signal():
     # Prefect's TerminationSignal has no message: the reason read "TerminationSignal: ".
     outcome, reason = ended_by(TerminationSignal(signal.SIGTERM))
     assert outcome == "stopped" and "received SIGTERM" in reason
-    assert ended_by(KeyboardInterrupt()) == ("stopped", "KeyboardInterrupt")
+    assert ended_by(KeyboardInterrupt()) == (
+        "stopped",
+        "KeyboardInterrupt: the orchestrator received SIGINT (Ctrl-C)",
+    )
     assert ended_by(RuntimeError("disk full")) == ("failed", "RuntimeError: disk full")

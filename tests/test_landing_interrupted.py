@@ -26,6 +26,7 @@ from tests.helpers import tiny_config
 pytestmark = pytest.mark.integration
 
 NAME = "landed"
+CTRL_C = "KeyboardInterrupt: the orchestrator received SIGINT (Ctrl-C)"  # runs.error of a Ctrl-C
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def test_a_signal_while_landing_waits_for_the_file_still_lands_the_failed_row(
         rerun(finished, metrics)
     assert signalled
     (status, error, eval_loss, _), steps, evals = landed(metrics)
-    assert status == "failed" and error == "KeyboardInterrupt"
+    assert status == "failed" and error == CTRL_C
     assert eval_loss is not None and len(evals) == 1 and steps > 0  # this run evaluated
 
 
@@ -127,7 +128,7 @@ def test_a_signal_after_the_completed_row_landed_leaves_it_failed(finished, tmp_
     with pytest.raises(KeyboardInterrupt):
         rerun(finished, tmp_path / "m.duckdb")
     (status, error, eval_loss, _), _, evals = landed(tmp_path / "m.duckdb")
-    assert status == "failed" and error == "KeyboardInterrupt"
+    assert status == "failed" and error == CTRL_C
     assert eval_loss is not None and len(evals) == 1
 
 
@@ -145,7 +146,7 @@ def test_an_interrupted_rerun_of_a_finished_run_keeps_its_evaluation(
     for _ in range(2):  # landing the failure again duplicates nothing
         with pytest.raises(KeyboardInterrupt):
             rerun(finished, metrics)
-        assert landed(metrics) == (("failed", "KeyboardInterrupt", eval_loss, sha), steps, evals)
+        assert landed(metrics) == (("failed", CTRL_C, eval_loss, sha), steps, evals)
     assert len(evals) == 1
     monkeypatch.undo()
     assert rerun(finished, metrics).status == "completed"  # and a rerun completes it again
@@ -177,7 +178,7 @@ def test_an_interrupted_rerun_with_other_eval_settings_keeps_the_config_of_its_e
         patched.setattr(pipeline, "evaluate_checkpoint", interrupted)
         with pytest.raises(KeyboardInterrupt):
             tpu_training_pipeline(config=other)
-    assert landed(metrics)[0][:3] == ("failed", "KeyboardInterrupt", eval_loss)
+    assert landed(metrics)[0][:3] == ("failed", CTRL_C, eval_loss)
     assert eval_settings()["max_batches"] == 4  # the settings of the loss it holds
     run = tpu_training_pipeline(config=other)  # evaluated with them: they are the row's
     assert run.status == "completed" and run.eval_loss != eval_loss
