@@ -341,6 +341,21 @@ def test_verify_refuses_a_final_checkpoint_whose_bytes_changed(tmp_path, wide):
         checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
 
 
+def test_bytes_overwritten_after_the_save_read_as_damage_not_as_nan(tmp_path, wide):
+    # Random bytes in a data file decode to NaN here and there: the reason said "has NaN
+    # or Inf values", as for a diverged state, where the files had changed after the save.
+    needle = _patterned(wide.arrays)
+    save(tmp_path, 10, wide.arrays)
+    for path in (tmp_path / "checkpoints" / "10" / "state").glob("ocdbt.process_*/d/*"):
+        data = path.read_bytes()
+        if (at := data.find(needle)) >= 0:
+            path.write_bytes(data[:at] + b"\xff" * 16 + data[at + 16 :])  # four NaNs
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.verify_checkpoint(str(tmp_path), 10, "h1")
+    assert "up/kernel does not match the checksum saved with it" in str(raised.value)
+    assert "NaN" not in str(raised.value)
+
+
 def test_checksums_see_any_changed_word_and_old_steps_without_them_verify(tmp_path, state):
     x = jnp.arange(1000, dtype=jnp.float32)
     ((_, _, base),) = ckpt_integrity.scan({"x": x})

@@ -101,16 +101,14 @@ def integrity_problem(state: Any, saved: dict[str, str] | None) -> str | None:
     from what was saved), or None. `saved`: the step's checksums (None: saved before
     checksums existed)."""
     scanned = scan(state)
-    if problem := first_non_finite(scanned):
-        return problem
-    if saved is None:
-        return None
+    # Checksums first: bytes changed after the save (random ones decode to NaN here and
+    # there) are damage, not a diverged state, which is never saved.
     read = checksums(scanned)
-    for path in sorted(saved.keys() | read.keys()):
+    for path in sorted(saved.keys() | read.keys()) if saved is not None else ():
         if saved.get(path) != read.get(path):
             return (
                 f"array {path} does not match the checksum saved with it (saved "
                 f"{saved.get(path, 'none')}, read {read.get(path, 'none')}): its files "
                 "changed after the save"
             )
-    return None
+    return first_non_finite(scanned)
