@@ -184,7 +184,13 @@ def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
     except refusals as exc:
         problem = f"{where}: {exc}"
     except Exception as exc:  # the check is advisory (see above)
-        log.warning("could not check the sweeps table: %s", exc)
+        from infra.metrics.duckdb_file import unusable_database
+        from tasks.run_owner import damaged_database
+
+        if metrics.sink == "duckdb" and unusable_database(exc):
+            problem = damaged_database(plan.metrics_path, exc)
+        else:
+            log.warning("could not check the sweeps table: %s", exc)
     if problem is not None:
         # Raised outside the handler, so the sink's error is not its context: that error's
         # frames hold the DuckDB connection, and the flow run's failed state keeps it.

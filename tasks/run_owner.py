@@ -49,7 +49,8 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
 
     Raises:
         ConfigError: naming the run name, where it landed from and what to change; or a
-            DuckDB table landing cannot use (`infra.metrics.duckdb_tables.SchemaError`).
+            DuckDB table landing cannot use (`infra.metrics.duckdb_tables.SchemaError`),
+            or a DuckDB file it cannot read at all.
     """
     metrics = config.metrics
     if metrics.sink == "duckdb" and not os.path.exists(plan.metrics_path):
@@ -57,6 +58,7 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     if metrics.sink == "bigquery" and not remote:
         return
     from infra.metrics import build_sink
+    from infra.metrics.duckdb_file import unusable_database
     from infra.metrics.duckdb_tables import SchemaError
 
     try:
@@ -65,10 +67,23 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     except SchemaError as exc:  # landing would fail on it after the whole training run
         raise ConfigError(f"metrics.path = {plan.metrics_path!r}: {exc}") from None
     except Exception as exc:  # the check is advisory: landing reports a real problem
+        if metrics.sink == "duckdb" and unusable_database(exc):
+            raise ConfigError(damaged_database(plan.metrics_path, exc)) from None
         log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
         return
     if (problem := owner_problem(config, plan, row)) is not None:
         raise ConfigError(problem)
+
+
+def damaged_database(path: str, exc: BaseException) -> str:
+    """The refusal of a DuckDB metrics file that cannot be read (torn by a full disk, a
+    copy cut short, another DuckDB's storage version): it passed as a warning, and the
+    run trained to the end before its landing failed on it, then every rerun again."""
+    return (
+        f"metrics.path = {path!r}: DuckDB cannot read it ({exc}), so landing this run's "
+        "metrics would fail after its training. Restore the file from a copy, or move it "
+        "away: a new one is made, and a run landed in the old one lands again when run again"
+    )
 
 
 class RunOwnerConflict(RuntimeError):

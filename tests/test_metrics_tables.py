@@ -145,3 +145,46 @@ def test_the_run_refuses_such_a_file_before_it_provisions(tmp_path):
         con.execute("CREATE TABLE runs (run_id VARCHAR PRIMARY KEY, eval_loss INTEGER)")
     with pytest.raises(ConfigError, match=r"metrics\.path = .*runs\.eval_loss is INTEGER"):
         check_run_owner(config, plan)
+
+
+def _torn(path: str) -> None:
+    """Cut the file short after its headers, as a full disk or a copy cut short leaves it."""
+    with open(path, "r+b") as f:
+        f.truncate(16384)
+
+
+def _bit_rot(path: str) -> None:
+    """Overwrite every block after the headers: their checksums no longer match."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(12288)
+        f.write(b"\x5a" * (size - 12288))
+
+
+@pytest.mark.parametrize("damage", [_torn, _bit_rot])
+def test_a_metrics_file_duckdb_cannot_read_is_refused_before_the_run(tmp_path, damage):
+    # It passed the checks with a warning: the run provisioned and trained, then failed to
+    # land and said to run it again, which failed the same way after training again.
+    from tasks.access import check_sweeps_table
+
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    sink = DuckDBSink(plan.metrics_path)
+    sink.land(run_row(), steps(), evals())
+    damage(plan.metrics_path)
+    for check in (check_run_owner, check_sweeps_table):
+        with pytest.raises(ConfigError) as refused:
+            check(config, plan)
+        said = str(refused.value)
+        assert said.startswith(f"metrics.path = '{plan.metrics_path}': DuckDB cannot read it (")
+        assert "Restore the file from a copy, or move it away" in said
+
+
+def test_a_metrics_file_another_process_holds_still_passes(tmp_path):
+    from tests.test_landing_interrupted import held
+
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    DuckDBSink(plan.metrics_path).ensure_tables()
+    with held(plan.metrics_path, tmp_path / "release"):
+        check_run_owner(config, plan)  # landing waits for the lock: no refusal

@@ -49,6 +49,20 @@ def file_lock(path: str | os.PathLike[str]) -> threading.Lock:
         return _FILE_LOCKS.setdefault(key, threading.Lock())
 
 
+def lock_conflict(exc: BaseException) -> bool:
+    """Whether `exc` is DuckDB refusing to open a file another process holds, the one
+    error opening it that waiting can cure. ("lock" alone is in "block", which DuckDB's
+    corruption errors name.)"""
+    return isinstance(exc, duckdb.IOException) and "Could not set lock on file" in str(exc)
+
+
+def unusable_database(exc: BaseException) -> bool:
+    """Whether `exc`, raised opening or reading a DuckDB file, means the file itself cannot
+    be used (torn, corrupt, another storage version, no permission): every open fails the
+    same way until it is restored or moved away. Another process's lock is not that."""
+    return isinstance(exc, duckdb.Error) and not lock_conflict(exc)
+
+
 def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the existing file at `path` is not a DuckDB database, or None if it looks like one.
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import duckdb
 
-from infra.metrics.duckdb_file import create_database, file_lock
+from infra.metrics.duckdb_file import create_database, file_lock, lock_conflict
 from infra.metrics.duckdb_tables import prepare_table
 from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
@@ -210,7 +210,7 @@ class DuckDBSink:
                 break
             except duckdb.IOException as e:
                 # Only the other-process file lock is worth waiting for; re-raise the rest.
-                if "lock" not in str(e).lower():
+                if not lock_conflict(e):
                     raise
                 if time.monotonic() >= deadline:
                     raise MetricsLocked(self._locked_message(str(e))) from e
