@@ -318,3 +318,24 @@ def test_a_final_checkpoint_this_host_cannot_verify_is_named(tmp_path):
     )
     assert problem.endswith("or set model.param_dtype = bfloat16 (half the bytes)")
     assert config_memory.eval_memory_problem(config, 100, 257, 3 * params + MIB) is None
+
+
+def test_a_tokenizers_vocabulary_counts_once_its_file_is_read(tmp_path):
+    # The vocabulary counted as one 128-row block: a 4096-wide model with a 70,000-id
+    # tokenizer passed validation, its embedding alone more than the host could hold.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(70_000)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    wide = [f"storage.root={tmp_path}", "model.d_model=4096", "model.n_heads=32"]
+    wide += ["model.n_layers=1", "model.d_ff=4096", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]
+    tiny = REPO / "configs" / "tiny.yaml"
+    assert load_config(tiny, wide, host_memory=_host())  # byte-level: 257 ids fit
+    big_vocab = [*wide, f"dataset.tokenizer={tmp_path / 'big.json'}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, big_vocab, host_memory=_host())
+    msg = str(err.value)
+    assert "model.d_ff = 4096 and the 70,001 ids of dataset.tokenizer make a model of 387" in msg
+    assert f"--set dataset.tokenizer={tmp_path / 'big.json'}" in msg

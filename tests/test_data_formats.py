@@ -281,6 +281,39 @@ def test_hugging_face_tokenizer_file(tmp_path):
     assert same.cached and same.dataset_dir == result.dataset_dir
 
 
+def test_a_tokenizer_files_truncation_and_padding_are_turned_off(tmp_path):
+    # Hub tokenizer.json files often set both, for an inference model's context: documents
+    # were cut to 8 tokens, or padded with [PAD] that was packed as text, and the manifest
+    # still said packing efficiency 1.0.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, t in enumerate(TEXTS):
+        (corpus / f"{i:02d}.txt").write_text(t)
+    plain_path = bpe_tokenizer(tmp_path / "plain.json", extra=("[PAD]",))
+    plain = Tokenizer.from_file(str(plain_path))
+    eod = plain.get_vocab_size(with_added_tokens=True)
+    expected = {tuple(plain.encode(t).ids) for t in TEXTS}
+    assert min(map(len, expected)) > 8
+    built = {}
+    for name, setting in [
+        ("truncation", lambda t: t.enable_truncation(8)),
+        ("padding", lambda t: t.enable_padding(length=96, pad_token="[PAD]")),
+    ]:
+        tok = Tokenizer.from_file(str(plain_path))
+        setting(tok)
+        tok.save(str(tmp_path / f"{name}.json"))
+        options = cfg(corpus, tokenizer=str(tmp_path / f"{name}.json"), eval_fraction=0.2)
+        result = data.shard_dataset(options, tmp_path / "out")
+        stream = all_tokens(result)["train"]
+        assert {tuple(d) for d in whole_documents(stream, eod)} <= expected, name
+        assert result.manifest["tokenizer"]["ignores"] == [name]
+        built[name] = result.dataset_dir
+    # Without such settings the manifest and the fingerprint are as they were.
+    result = data.shard_dataset(cfg(corpus, tokenizer=str(plain_path)), tmp_path / "out")
+    assert "ignores" not in result.manifest["tokenizer"]
+    assert result.dataset_dir not in built.values()
+
+
 def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
     words = [f"w{i}" for i in range(70_000)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))

@@ -25,6 +25,7 @@ activations to fit, so they are given room). Anything less is left to the run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,32 @@ def estimate_memory(cfg: PipelineConfig, vocab_size: int) -> MemoryEstimate:
     )
 
 
+_VOCABS: dict[tuple, int] = {}  # a tokenizer file's vocabulary, by path, size and mtime
+
+
+def tokenizer_vocab(cfg: PipelineConfig) -> int:
+    """The vocabulary the model's embedding is sized for: the byte tokenizer's, or that of
+    the tokenizer file, read here (local, and parsed once per version of the file). One
+    that cannot be read counts as one padded block: the input checks name the file.
+
+    Why read it: a 128k-id tokenizer's embedding can be most of a model, and it was counted
+    as one 128-row block, so a model far too big for its slice passed every check."""
+    if cfg.dataset.tokenizer is None:
+        return BYTE_VOCAB_SIZE
+    from workloads.sources import DatasetError
+    from workloads.tokens import load_tokenizer
+
+    path = os.path.abspath(cfg.dataset.tokenizer)
+    try:
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in _VOCABS:
+            _VOCABS[key] = load_tokenizer(path).vocab_size
+        return _VOCABS[key]
+    except (OSError, DatasetError):
+        return 1
+
+
 def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
     """The config's training state does not fit the slice's devices: one message naming
     the fields that drive the estimate, the estimate, the limit and what to change.
@@ -102,9 +129,15 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
     if limit is None:
         return []
     per_device, have = limit
-    # A tokenizer's vocabulary is known only once it is read: count one padded block.
-    est = estimate_memory(cfg, BYTE_VOCAB_SIZE if cfg.dataset.tokenizer is None else 1)
+    vocab = tokenizer_vocab(cfg)
+    est = estimate_memory(cfg, vocab)
     m, mesh, local = cfg.model, cfg.mesh, cfg.slice.provider == "local"
+    # A large vocabulary can be most of the model: say where the embedding's rows come from.
+    sizes = f"model.d_model = {m.d_model}, model.n_layers = {m.n_layers}"
+    if cfg.dataset.tokenizer:
+        sizes += f", model.d_ff = {m.d_ff} and the {vocab:,} ids of dataset.tokenizer"
+    else:
+        sizes += f" and model.d_ff = {m.d_ff}"
     if est.state > per_device:
         advice = ["use a smaller model (model.d_model, model.n_layers, model.d_ff)"]
         if est.state_fully_sharded <= per_device and mesh.data > 1:
@@ -115,8 +148,7 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
         if not local:
             advice.append("use a slice of more chips (slice.accelerator_type)")
         return [
-            f"model.d_model = {m.d_model}, model.n_layers = {m.n_layers} and model.d_ff = "
-            f"{m.d_ff} make a model of {_count(est.params)} parameters whose training state "
+            f"{sizes} make a model of {_count(est.params)} parameters whose training state "
             f"({m.param_dtype} parameters, gradients and AdamW's two moments: "
             f"{4 * _BYTES[m.param_dtype]} bytes a parameter, split over mesh.fsdp*mesh.tensor "
             f"= {mesh.fsdp}*{mesh.tensor}, copied over mesh.data = {mesh.data}) needs "

@@ -231,6 +231,7 @@ def records_fields(manifest: dict) -> dict:
             tok.get("vocab_size"),
             tok.get("eod_token"),
             tok.get("sha256"),
+            *([tok["ignores"]] if tok.get("ignores") else []),  # `TokenizerSpec.ignores`
         ],
         "options": {k: v for k, v in manifest.get("options", {}).items() if k != "tokenizer"},
     }

@@ -53,6 +53,10 @@ class TokenizerSpec:
         path: The tokenizer file (huggingface only).
         sha256: sha256 of the tokenizer file (huggingface only): what the fingerprint
             covers, and what every worker checks the file it loads against.
+        ignores: the file's settings turned off ("truncation", "padding"): documents
+            are encoded whole. Recorded, and fingerprinted, only when there are some, so
+            other datasets keep their fingerprints, while one built before they were
+            turned off (cut or padded documents) is not taken for the new one.
     """
 
     kind: str
@@ -61,6 +65,7 @@ class TokenizerSpec:
     dtype: str
     path: str | None = None
     sha256: str | None = None
+    ignores: tuple[str, ...] = ()
 
     @property
     def stored_eod(self) -> int:
@@ -72,11 +77,16 @@ class TokenizerSpec:
         out = {"kind": self.kind, "vocab_size": self.vocab_size, "eod_token": self.eod_token}
         if self.kind == "huggingface":
             out.update(path=self.path, sha256=self.sha256)
+        if self.ignores:
+            out["ignores"] = list(self.ignores)
         return out
 
     def fingerprint_entry(self) -> list:
-        """What changes the token ids: the kind and the file's content, not its path."""
-        return [self.kind, self.vocab_size, self.eod_token, self.sha256]
+        """What changes the token ids: the kind and the file's content, not its path (and
+        the settings of the file turned off, if any); as `manifest.records_fields` reads
+        it from a manifest."""
+        entry = [self.kind, self.vocab_size, self.eod_token, self.sha256]
+        return [*entry, list(self.ignores)] if self.ignores else entry
 
 
 STORED_BYTE_EOD = 0xFF  # never a byte of UTF-8 (nor are 0xC0, 0xC1, 0xF5-0xFE)
@@ -95,7 +105,7 @@ def load_tokenizer(path: str | os.PathLike | None) -> TokenizerSpec:
     if path is None:
         return BYTES
     path = os.path.abspath(path)
-    sha256, hf = _read(path)
+    sha256, hf, ignored = _read(path)
     # One past the largest id, not the number of entries: a vocabulary with gaps in its
     # ids (a token removed by hand) gave EOD the id of a real token.
     ids = hf.get_vocab(with_added_tokens=True).values()
@@ -108,10 +118,11 @@ def load_tokenizer(path: str | os.PathLike | None) -> TokenizerSpec:
         dtype="uint16" if vocab <= UINT16_VOCAB else "uint32",
         path=path,
         sha256=sha256,
+        ignores=ignored,
     )
 
 
-def _read(path: str) -> tuple[str, Any]:
+def _read(path: str) -> tuple[str, Any, tuple[str, ...]]:
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
@@ -126,7 +137,20 @@ def _read(path: str) -> tuple[str, Any]:
         hf = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for a bad file
         raise DatasetError(f"tokenizer file {path} is not a tokenizers JSON file: {exc}") from None
-    return hashlib.sha256(raw).hexdigest(), hf
+    return hashlib.sha256(raw).hexdigest(), hf, _whole_documents(hf)
+
+
+def _whole_documents(hf: Any) -> tuple[str, ...]:
+    """Turn off the file's truncation and padding; returns which of them it set.
+
+    Documents are encoded whole and packed: a file's truncation (to an inference model's
+    context) cut them short, and its padding was packed as text, both without a word and
+    with the packing efficiency still 1.0. Many hub tokenizer.json files set them.
+    """
+    ignored = tuple(name for name in ("truncation", "padding") if getattr(hf, name) is not None)
+    hf.no_truncation()
+    hf.no_padding()
+    return ignored
 
 
 _LOADED: dict[str, Any] = {}  # per process, by sha256: parsed once, not per batch
@@ -139,7 +163,7 @@ def hf_tokenizer(spec: TokenizerSpec) -> Any:
         DatasetError: the file cannot be read or parsed, or its sha256 is not `spec.sha256`.
     """
     if spec.sha256 not in _LOADED:
-        sha256, hf = _read(spec.path)
+        sha256, hf, _ = _read(spec.path)
         if sha256 != spec.sha256:
             # Shards made with another tokenizer than the fingerprint names would lie.
             raise DatasetError(f"tokenizer file {spec.path} changed during sharding; run again")
