@@ -76,10 +76,12 @@ def check_resumable(
     if stored is None:
         return plan
     old, new = training_fields(stored.pipeline), training_fields(config)
+    listed = fingerprint is not None
     diffs = [
-        f"{k}: {old_v!r} -> {new_v!r}{_DEFAULT_CHANGES.get((k, old_v, new_v), '')}"
+        f"{k}: {old_v!r} -> {new_v!r}{_default_change(k, old_v, new_v)}"
         for k, old_v, new_v in _diff(old, new)
-        if not _same_format(k, old_v, new_v, files, fingerprint is not None)
+        if not _same_format(k, old_v, new_v, files, listed)
+        and not _same_data_elsewhere(k, old_v, new_v, listed)
     ]
     if diffs:
         raise ConfigError(
@@ -153,6 +155,38 @@ def _other_data(plan: RunPlan, trained_dir: str, now: str, why: str) -> str:
 
 
 _NO_MANIFEST = "its directory holds no readable manifest.json"
+
+
+def _default_change(key: str, old: object, new: object) -> str:
+    """What `_DEFAULT_CHANGES` says of this change, or "". Values may be lists
+    (`dataset.sources`), which cannot be looked up: a changed source list raised a
+    TypeError where the rerun should have been refused, naming the field."""
+    if not isinstance(old, str) or not isinstance(new, str):
+        return ""
+    return _DEFAULT_CHANGES.get((key, old, new), "")
+
+
+def _same_data_elsewhere(key: str, old: object, new: object, listed: bool) -> bool:
+    """Whether `dataset.sources` or `dataset.tokenizer` changed only in how it names the
+    same data, which the dataset check decides, not the spelling: a relative path for the
+    absolute one (or `a//b`, a symlink), a copy of the same tokenizer file.
+
+    - sources, once `listed`: the fingerprint covers every file they give (its URI, size
+      and version), so the same files give the dataset the run trained on, and others
+      are refused naming what was added, removed or changed. Not listed (a sweep's plan,
+      gs:// sources in `tpupipe validate`), the names are compared.
+    - tokenizer: the same bytes, whatever its path: the fingerprint covers its content.
+      A file that cannot be read is a change (its error comes with the inputs).
+    """
+    if key == "dataset.sources":
+        return listed
+    if key != "dataset.tokenizer" or not old or not new:
+        return False
+    try:
+        with open(str(old), "rb") as before, open(str(new), "rb") as now:
+            return before.read() == now.read()
+    except OSError:
+        return False
 
 
 def _same_format(

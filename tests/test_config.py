@@ -265,6 +265,43 @@ def test_a_rerun_whose_sources_now_give_another_dataset_is_refused(tmp_path):
         check_inputs(cfg, plan_run(cfg), remote=False)  # `tpupipe validate` sees it too
 
 
+def test_a_rerun_naming_the_same_data_otherwise_resumes_and_other_sources_are_refused(
+    tmp_path, monkeypatch
+):
+    # Another source list raised "TypeError: unhashable type: 'list'" (and said to run it
+    # again); the same tokenizer file or corpus by a relative path was refused as another
+    # training config.
+    import shutil
+
+    from tasks.prepare import check_inputs
+    from tests.test_data_formats import bpe_tokenizer
+    from workloads import data
+
+    _, cfg = six_document_run(tmp_path)
+    tok = bpe_tokenizer(tmp_path / "tok.json")
+    cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"tokenizer": str(tok)})})
+    plan = plan_run(cfg)
+    built = data.shard_dataset(cfg.dataset, plan.datasets_root)
+    write_workload_config(cfg, plan, built.dataset_dir)
+
+    def rerun(**dataset) -> str:
+        changed = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update=dataset)})
+        return check_inputs(changed, plan_run(changed))[0].config_hash
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(tok, tmp_path / "copy.json")
+    assert rerun(tokenizer="tok.json", sources=["corpus"]) == plan.config_hash
+    assert rerun(tokenizer="copy.json", sources=[f"{tmp_path}//corpus/"]) == plan.config_hash
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "0.txt").write_text("another corpus " * 40)
+    with pytest.raises(ConfigError, match=r"trained on dataset .*added: .*other/0\.txt.*removed"):
+        rerun(sources=[str(other)])
+    bpe_tokenizer(tmp_path / "other.json", extra=("[X]",))
+    with pytest.raises(ConfigError, match=r"config \(dataset.tokenizer: '.*tok.json' -> 'other"):
+        rerun(tokenizer="other.json")  # another file: named as the field that changed
+
+
 def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp_path):
     """Format 4 stored the same records as uint16: a run started before the upgrade gets a
     new fingerprint for the same sources, and must resume, not be refused as changed data.
