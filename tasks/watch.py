@@ -141,10 +141,13 @@ def watch_slice(
     our_step = None  # this attempt's newest step: its last heartbeat may have none
     quarantined: set[int] = set()  # steps whose quarantine was logged
     while True:
-        # The heartbeat's step: the workload may have gone on a step or two before it
-        # stopped, as the landed row's final step says.
+        # The heartbeat's step: the workload may have gone on since, and it saves the step
+        # it is at when its slice is deleted (the landed row's final step): "after step
+        # 60" was read as where it stopped, beside a checkpoint of step 75.
         stop_if_requested(
-            "before its first step" if last_step is None else f"after step {last_step}"
+            "before its first step"
+            if last_step is None
+            else f"while training, at step {last_step} or past it"
         )
         try:
             status = provider.status(name)

@@ -186,7 +186,7 @@ def test_an_attempt_whose_workload_finished_before_its_orchestrator_failed_compl
     # again: its attempt read "failed" in the report, beside the run's "completed".
     done = attempt_events(1, 0, 0, 10, "completed", invocation="a")
     stopped = [
-        {**e, "outcome": "failed", "reason": "WatchStopped: stopped after step 10"}
+        {**e, "outcome": "failed", "reason": "WatchStopped: stopped while training"}
         if e["event"] == "attempt_ended"
         else e
         for e in done

@@ -103,12 +103,32 @@ def test_a_watch_stops_once_its_sweep_is_stopping_and_only_then():
                 self.polls += 1
                 if self.polls == 3:
                     stopping.set()  # the sweep got Ctrl-C while this trial trained
-                return SliceStatus(name, SliceState.RUNNING, None)
+                return SliceStatus(name, SliceState.READY, None)
 
         provider = Running()
         with pytest.raises(WatchStopped, match="stopped before its first step: the sweep"):
             watch(provider)
         assert provider.polls == 3  # at the next poll, not after the workload's end
+
+        # Once it has beaten: its step is the last heard of, not where the workload stops
+        # (it saves the step it is at when its slice is deleted). "after step 60" was read
+        # as where it stopped, beside a checkpoint of step 75.
+        class Training:
+            def read_status(self) -> dict:
+                return {"state": "training", "step": 60, "time": 1e12}
+
+            def host_failures(self) -> dict:
+                return {}
+
+        stopping.clear()
+        provider.polls = 0
+        clock = FakeClock(0.0, limit=1e5)
+        settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=60)
+        with pytest.raises(WatchStopped) as stopped:
+            watch_slice(provider, "s", Training(), settings, print, None, clock, clock.sleep)
+        assert str(stopped.value) == (
+            "stopped while training, at step 60 or past it: the sweep was interrupted"
+        )
     finally:
         STOPPING.reset(token)
     assert watch(Provider([])).exit_code == 0  # outside a stopping sweep: watched to the end
