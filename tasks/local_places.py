@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 
@@ -141,13 +142,32 @@ def _cannot_create(path: str, write: bool = True) -> str | None:
         return None  # there: a run that only reads it needs nothing more
     verb = "written" if existing == path else "created"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{verb} ({existing} is not writable{owner_and_mode(existing)})"
+        why = f"{owner_and_mode(existing)}{_beyond_mode(existing)}"
+        return f"{verb} ({existing} is not writable{why})"
     try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
         with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
             pass
     except OSError as exc:
         return f"{verb} (nothing can be written in {existing}: {exc.strerror or exc})"
     return None
+
+
+def _beyond_mode(path: str) -> str:
+    """Why a directory whose mode lets this user write is still not writable, as "; ...",
+    else "": root was told "not writable (owner root, mode drwxr-xr-x)" of an immutable
+    directory, a mode that says the opposite."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "; its file system is mounted read-only"
+        st = os.stat(path)
+    except OSError:
+        return ""
+    if os.geteuid() != 0 and not (st.st_uid == os.geteuid() and st.st_mode & stat.S_IWUSR):
+        return ""  # the mode says it, as shown
+    return (
+        "; its mode allows writing: an immutable attribute (see lsattr) or a security "
+        "policy stops it"
+    )
 
 
 def _too_long(path: str) -> str | None:

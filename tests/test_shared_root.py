@@ -123,3 +123,20 @@ def test_the_checks_leave_a_metrics_file_this_process_holds_locked(tmp_path):
         held.close()
     validating.join(timeout=60)
     assert other.returncode != 0 and "Conflicting lock is held" in other.stderr, other.stderr
+
+
+def test_a_directory_its_mode_lets_this_user_write_says_what_else_stops_it(
+    tmp_path, capsys, monkeypatch
+):
+    # Root, refused an immutable compile cache, was told "not writable (owner root, mode
+    # drwxr-xr-x)": a mode that says the opposite.
+    monkeypatch.delenv("TPUPIPE_COMPILE_CACHE")
+    root = tmp_path / "root"
+    (root / "compile_cache").mkdir(parents=True)
+    args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
+    with immutable(root / "compile_cache"):
+        assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    said = f"{root}/compile_cache is not writable (owner root, mode drwxr-xr-x); its mode "
+    assert said + "allows writing: an immutable attribute (see lsattr)" in err, err
+    assert cli_main(args) == 0
