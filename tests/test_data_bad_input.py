@@ -242,7 +242,7 @@ def test_corrupt_gzip_names_the_file(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ('{"text": "x", "n": 1' + "0" * 5000 + "}", r"a\.jsonl:41: unreadable JSON: Exceeds"),
+        ('{"text": 1' + "0" * 5000 + "}", r"a\.jsonl:41: field 'text' is a number, not a string"),
         (
             '{"text": "x", "d": ' + "[" * 100_000 + "]" * 100_000 + "}",
             r"a\.jsonl:41: unreadable JSON: nested too deeply",
@@ -255,6 +255,14 @@ def test_json_beyond_pythons_limits_names_file_and_line(tmp_path, line, message)
         fh.write(line + "\n")
     with pytest.raises(DatasetError, match=message):
         data.shard_dataset(cfg(path, format="jsonl"), tmp_path / "out")
+
+
+def test_an_integer_past_pythons_limit_in_another_field_is_no_error(tmp_path):
+    # Valid JSON, refused: "unreadable JSON: Exceeds the limit (4300 digits) for integer
+    # string conversion", for a field the dataset never reads.
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "kept", "id": 1' + "0" * 5000 + '}\n{"text": "next", "id": 7}\n')
+    assert documents(path, format="jsonl") == [b"kept", b"next"]
 
 
 def test_a_leading_byte_order_mark_is_not_text(tmp_path):

@@ -159,7 +159,7 @@ def jsonl_documents(
         place = f"{src.uri}:{number}"
         text = utf8(line, place, offset, cfg.errors, where).decode("utf-8")
         try:
-            obj = json.loads(text)
+            obj = _loads(text)
         except json.JSONDecodeError as exc:
             # Lines end at LF only: a file of CR-ended records is one line of many objects.
             hint = (
@@ -173,9 +173,6 @@ def jsonl_documents(
                 f"{place}: malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"
                 f"{hint}"
             ) from None
-        except ValueError as exc:  # an integer longer than int() converts (4300 digits)
-            reason = str(exc).split(";")[0]  # not the advice to raise Python's limit
-            raise DatasetError(f"{place}: unreadable JSON: {reason}") from None
         except RecursionError:
             raise DatasetError(f"{place}: unreadable JSON: nested too deeply") from None
         if not isinstance(obj, dict):
@@ -190,6 +187,24 @@ def jsonl_documents(
 
 
 _MISSING = object()
+
+
+def _loads(text: str) -> object:
+    """`json.loads`, taking integers of any length, as JSON does: Python refuses int() of
+    over 4300 digits (a ValueError), and a line was refused for such a number in a field
+    other than the text. Only then is it parsed again, keeping such integers as floats
+    (a number all the same, and float() has no such limit): a parse_int for every line
+    would cost a Python call per integer."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        return json.loads(text, parse_int=_any_int)
+
+
+def _any_int(digits: str) -> int | float:
+    return int(digits) if len(digits) < 4000 else float(digits)
 
 
 def _nested(obj: dict, field: str) -> object:
