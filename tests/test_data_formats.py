@@ -370,8 +370,13 @@ def test_tokenizer_file_errors(tmp_path):
     with pytest.raises(DatasetError, match=r"tokenizer file .*missing\.json cannot be read"):
         data.load_tokenizer(tmp_path / "missing.json")
     (tmp_path / "junk.json").write_text('{"not": "a tokenizer"}')
-    with pytest.raises(DatasetError, match=r"junk\.json is not a tokenizers JSON file"):
+    # tokenizers' own words were "expected `,` or `}` at line 1 column 7": a syntax error?
+    junk = r"junk\.json is not a tokenizers JSON file: it is JSON, but not a tokenizer: it "
+    with pytest.raises(DatasetError, match=junk + r"has no 'model' \(its keys: not\)$"):
         data.load_tokenizer(tmp_path / "junk.json")
+    (tmp_path / "cut.json").write_text('{"model": {"type": "BPE"')
+    with pytest.raises(DatasetError, match=r"cut\.json is not a tokenizers JSON file: EOF"):
+        data.load_tokenizer(tmp_path / "cut.json")
     with pytest.raises(ValueError, match="never downloaded"):
         DatasetConfig(tokenizer="hf://gpt2")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -136,8 +137,24 @@ def _read(path: str) -> tuple[str, Any, tuple[str, ...]]:
 
         hf = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for a bad file
-        raise DatasetError(f"tokenizer file {path} is not a tokenizers JSON file: {exc}") from None
+        raise DatasetError(
+            f"tokenizer file {path} is not a tokenizers JSON file: {_why(raw, exc)}"
+        ) from None
     return hashlib.sha256(raw).hexdigest(), hf, _whole_documents(hf)
+
+
+def _why(raw: bytes, exc: Exception) -> str:
+    """Why tokenizers refused `raw`. Its parser reports a JSON object without a
+    tokenizer's fields ({"hello": 1}) as "expected `,` or `}` at line 1 column 9", which
+    reads as a syntax error: such a file is said to be JSON of another kind."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:  # not JSON (or not UTF-8): tokenizers' own words say where
+        return str(exc)
+    if isinstance(parsed, dict) and "model" not in parsed:
+        keys = ", ".join(sorted(parsed)[:8]) or "none"
+        return f"it is JSON, but not a tokenizer: it has no 'model' (its keys: {keys})"
+    return str(exc)
 
 
 def _whole_documents(hf: Any) -> tuple[str, ...]:
