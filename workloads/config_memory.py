@@ -76,14 +76,28 @@ def estimate_memory(cfg: PipelineConfig, vocab_size: int) -> MemoryEstimate:
     def state(fsdp: int, tensor: int) -> int:  # a parameter, its gradient and two moments
         return 4 * _BYTES[m.param_dtype] * (embedding // fsdp + kernels // (fsdp * tensor) + norms)
 
-    rows = cfg.train.batch_size // (mesh.data * mesh.fsdp)
+    rows, seq = cfg.train.batch_size // (mesh.data * mesh.fsdp), cfg.dataset.seq_len
     per_token = m.n_layers * m.d_model * _BYTES[m.dtype] + vocab * 4
     return MemoryEstimate(
         params=param_count(m, vocab_size),
         state=state(mesh.fsdp, mesh.tensor),
         state_fully_sharded=state(cfg.slice.devices // mesh.tensor, mesh.tensor),
-        activations=rows * cfg.dataset.seq_len * per_token,
+        activations=rows * seq * per_token + rows * attention_bytes(cfg),
     )
+
+
+def attention_bytes(cfg: PipelineConfig, layers: int | None = None) -> int:
+    """What one row (sequence) holds in attention, at least: the float32 mask bias shared
+    by the layers (seq x seq) and each layer's probabilities, one seq x seq matrix per head
+    of the device's (heads split over mesh.tensor) in model.dtype, kept for the backward
+    pass (`layers`: how many are held at once, default all of them).
+
+    Why: they grow with dataset.seq_len squared. A seq_len of 32,768 passed the check on a
+    24 GiB host, provisioned a slice and failed allocating 60 GB."""
+    m, seq = cfg.model, cfg.dataset.seq_len
+    heads = m.n_heads // cfg.mesh.tensor
+    held = m.n_layers if layers is None else layers
+    return seq * seq * (4 + held * heads * _BYTES[m.dtype])
 
 
 _VOCABS: dict[tuple, int] = {}  # a tokenizer file's vocabulary, by path, size and mtime
@@ -163,7 +177,9 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
             f"{mesh.data}*{mesh.fsdp} with dataset.seq_len = {cfg.dataset.seq_len} keeps "
             f"activations of at least {_amount(cfg, est.activations)} (the input of each of "
             f"model.n_layers = {m.n_layers} blocks, model.d_model = {m.d_model} wide in "
-            f"model.dtype = {m.dtype}, and the float32 logits), and with the training state "
+            f"model.dtype = {m.dtype}, the float32 logits, and the attention probabilities: "
+            f"dataset.seq_len squared for each of model.n_heads = {m.n_heads} heads over "
+            f"mesh.tensor = {mesh.tensor}), and with the training state "
             f"({_amount(cfg, est.state)}) that is more than {ACTIVATION_SLACK} times {have}: "
             f"{advice}"
         ]
@@ -193,7 +209,9 @@ def eval_memory_problem(
         return None
     rows = min(cfg.eval.batch_size, max(eval_records, 1))
     vocab = padded_vocab_size(vocab_size)
-    logits = rows * cfg.dataset.seq_len * vocab * 4
+    # On one device: every head, one layer's scores at a time (no backward pass).
+    one_device = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"tensor": 1})})
+    logits = rows * (cfg.dataset.seq_len * vocab * 4 + attention_bytes(one_device, layers=1))
     m = cfg.model
     count = param_count(m, vocab_size)
     params = count * _BYTES[m.param_dtype]
@@ -215,7 +233,8 @@ def eval_memory_problem(
     return (
         f"eval.batch_size = {cfg.eval.batch_size}: a batch of {rows} of the eval split's "
         f"{eval_records} records, dataset.seq_len = {cfg.dataset.seq_len} tokens each, keeps "
-        f"float32 logits over a vocabulary of {vocab} of {_gib(logits)}, and with the "
+        f"float32 logits over a vocabulary of {vocab} and one layer's attention scores "
+        f"(seq_len squared a head) of {_gib(logits)}, and with the "
         f"model's parameters ({_gib(params)}) that is more than this host's "
         f"{_gib(host_bytes)} of memory, where the orchestrator evaluates the run after "
         "training it: lower eval.batch_size"
