@@ -112,6 +112,15 @@ def _check_metrics_file(field: str, value: str, path: str) -> None:
                 f"it is created as <name>{LONGEST_SUFFIX} at most, {length} bytes, over this "
                 f"file system's limit of {name_max} (NAME_MAX)"
             )
+        if os.path.lexists(wal := f"{path}.wal"):
+            # DuckDB replays it into the new file at the landing's first connect, and fails
+            # ("WAL does not match database file"), after the whole training run: left by a
+            # database moved away without it.
+            raise ConfigError(
+                f"{field} = {value!r}: {path} does not exist, but its write-ahead log {wal} "
+                "does (the log of a database moved or deleted without it): move it away with "
+                "that database, or delete it"
+            )
         return  # created on first use, complete or not at all (`infra.metrics.duckdb_file`)
     if problem:
         raise ConfigError(f"{field} = {value!r}: {path} is not a usable DuckDB database: {problem}")

@@ -63,6 +63,8 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
 
     try:
         sink = build_sink(metrics.sink, plan.metrics_path, metrics, LOCK_WAIT_S)
+        if metrics.sink == "duckdb":
+            sink.check_readable()  # a damaged block anywhere fails the landing
         row = sink.read_run(plan.run_id)
     except SchemaError as exc:  # landing would fail on it after the whole training run
         raise ConfigError(f"metrics.path = {plan.metrics_path!r}: {exc}") from None
@@ -79,10 +81,20 @@ def damaged_database(path: str, exc: BaseException) -> str:
     """The refusal of a DuckDB metrics file that cannot be read (torn by a full disk, a
     copy cut short, another DuckDB's storage version): it passed as a warning, and the
     run trained to the end before its landing failed on it, then every rerun again."""
+    said = str(exc).split("\n", 1)[0]  # DuckDB's later lines are a storage page's advice
+    if "storage version" in said:
+        todo = (
+            "Open it with the DuckDB version that wrote it (EXPORT DATABASE there, IMPORT "
+            "DATABASE here), or give another metrics.path"
+        )
+    else:
+        todo = (
+            "Restore the file from a copy, or move it away with its .wal if it has one: a "
+            "new one is made, and a run landed in the old one lands again when run again"
+        )
     return (
-        f"metrics.path = {path!r}: DuckDB cannot read it ({exc}), so landing this run's "
-        "metrics would fail after its training. Restore the file from a copy, or move it "
-        "away: a new one is made, and a run landed in the old one lands again when run again"
+        f"metrics.path = {path!r}: DuckDB cannot read it ({said}), so landing this run's "
+        f"metrics would fail after its training. {todo}"
     )
 
 

@@ -292,3 +292,38 @@ def test_relative_cache_places_of_a_gcs_root_are_checked_and_named(tmp_path, mon
         signal.alarm(0)
     assert str(err.value).startswith("XDG_CACHE_HOME = 'xdgfile': ")
     assert f"({tmp_path}/xdgfile is not a directory)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("gs://bucket/m.duckdb", "is not a file on this machine: DuckDB metrics are a local file"),
+        ("~/m.duckdb", "starts with ~, which is not expanded here"),
+        ("", "metrics.path is empty: give a DuckDB file's path, or leave it out"),
+    ],
+    ids=["gs", "tilde", "empty"],
+)
+def test_a_metrics_path_that_is_no_local_file_is_refused(tmp_path, value, said):
+    # Each landed somewhere else, silently: ./gs:/bucket/m.duckdb, ./~/m.duckdb, and the
+    # default file for '' (an unset variable), where storage.root refuses all three.
+    from workloads.config_file import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"metrics: {{path: '{value}'}}\nstorage: {{root: {tmp_path}}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "c.yaml:1: metrics.path" in str(err.value) and said in str(err.value)
+
+
+def test_a_write_ahead_log_left_without_its_database_is_refused(tmp_path):
+    # Left by a damaged database moved away without it: DuckDB replayed it into the new
+    # file at the landing's first connect and failed, "WAL does not match database file",
+    # after the whole training run.
+    path = tmp_path / "m.duckdb"
+    config = tiny_config(tmp_path / "root", f"metrics.path={path}", "dataset.max_bytes=20000")
+    (tmp_path / "m.duckdb.wal").write_bytes(b"a log of another database")
+    with pytest.raises(ConfigError) as err:
+        check_local_paths(config, plan_run(config))
+    assert f"{path} does not exist, but its write-ahead log {path}.wal does" in str(err.value)
+    (tmp_path / "m.duckdb.wal").unlink()
+    check_local_paths(config, plan_run(config))

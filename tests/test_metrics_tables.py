@@ -180,6 +180,39 @@ def test_a_metrics_file_duckdb_cannot_read_is_refused_before_the_run(tmp_path, d
         assert "Restore the file from a copy, or move it away" in said
 
 
+def test_a_damaged_block_the_runs_own_row_does_not_touch_is_refused_too(tmp_path):
+    # Looking up the run's row reads few blocks: a file with other blocks damaged passed,
+    # the run trained, and its landing (or every later query) failed on them.
+    import shutil
+
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    good = tmp_path / "good.duckdb"
+    DuckDBSink(good).land(run_row("old"), steps("old", n=30_000), evals("old"))
+    blocks = (good.stat().st_size - 12288) // 262144 + 1  # DuckDB's 256 KiB blocks
+    missed = 0
+    for k in range(blocks):
+        shutil.copy(good, plan.metrics_path)
+        with open(plan.metrics_path, "r+b") as f:
+            f.seek(12288 + k * 262144 + 100)
+            f.write(b"\x5a" * 2000)
+        try:  # does the block hold values? (free space and index blocks are not scanned)
+            with duckdb.connect(plan.metrics_path, read_only=True) as con:
+                for table in ("runs", "step_metrics", "eval_metrics"):
+                    con.execute(f"SELECT bit_xor(hash(COLUMNS(*))) FROM {table}").fetchall()
+            continue
+        except duckdb.Error:
+            pass
+        try:
+            DuckDBSink(plan.metrics_path).read_run("r1")
+            missed += 1  # what the check read before: this damage passed
+        except duckdb.Error:
+            pass
+        with pytest.raises(ConfigError, match=r"DuckDB cannot read it \(Corrupt database file"):
+            check_run_owner(config, plan)
+    assert missed
+
+
 def test_a_metrics_file_another_process_holds_still_passes(tmp_path):
     from tests.test_landing_interrupted import held
 

@@ -141,6 +141,30 @@ class MetricsConfig(_Strict):
         "Default Credentials).",
     )
 
+    @field_validator("path")
+    @classmethod
+    def _a_local_file(cls, value: str | None) -> str | None:
+        # Each was taken as a local path: `gs://b/m.duckdb` landed in ./gs:/b/m.duckdb,
+        # `~/m.duckdb` in ./~/m.duckdb, and '' (an unset variable) in the default file.
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError(
+                "metrics.path is empty: give a DuckDB file's path, or leave it out for "
+                "metrics.duckdb under the storage root"
+            )
+        if "://" in value or value.lower().startswith("gs:"):
+            raise ValueError(
+                f"metrics.path {value!r} is not a file on this machine: DuckDB metrics are a "
+                "local file (for a cloud sink, set metrics.sink: bigquery)"
+            )
+        if value.startswith("~"):
+            raise ValueError(
+                f"metrics.path {value!r} starts with ~, which is not expanded here: give the "
+                "file's absolute path (or one relative to the working directory)"
+            )
+        return value
+
     @field_validator("location")
     @classmethod
     def _location_shape(cls, value: str) -> str:

@@ -63,6 +63,45 @@ def unusable_database(exc: BaseException) -> bool:
     return isinstance(exc, duckdb.Error) and not lock_conflict(exc)
 
 
+_READ_WHOLE: set[tuple] = set()  # versions of files read whole by this process
+
+
+def read_whole(con: duckdb.DuckDBPyConnection, path: str | os.PathLike[str], tables) -> None:
+    """Read every value of those of `tables` that exist in the database `con` has open (at
+    `path`), once per version of the file and its WAL in this process.
+
+    Why: DuckDB checks a block's checksum when it reads it, and a run's lookup of its own
+    row reads few blocks. A file whose other blocks were damaged (a torn copy, bit rot)
+    passed the checks before a run, which trained and then failed to land, its error
+    saying to run it again, which failed the same way.
+
+    Raises:
+        duckdb.Error: a block cannot be read ("Corrupt database file: computed checksum
+            ... does not match").
+    """
+    version = tuple(
+        (st.st_size, st.st_mtime_ns, st.st_ino) if (st := _stat(f)) else None
+        for f in (os.fspath(path), f"{os.fspath(path)}.wal")
+    )
+    key = (os.path.realpath(path), version)
+    if key in _READ_WHOLE:
+        return
+    there = {
+        name.lower() for (name,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
+    }
+    for table in tables:
+        if table.lower() in there:  # every column's values hashed: no block left unread
+            con.execute(f"SELECT bit_xor(hash(COLUMNS(*))) FROM {table}").fetchall()
+    _READ_WHOLE.add(key)
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
 def database_file_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the existing file at `path` is not a DuckDB database, or None if it looks like one.
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import duckdb
 
-from infra.metrics.duckdb_file import create_database, file_lock, lock_conflict
+from infra.metrics.duckdb_file import create_database, file_lock, lock_conflict, read_whole
 from infra.metrics.duckdb_tables import prepare_table
 from infra.metrics.landing_rule import landing_rule
 from infra.metrics.rows import (
@@ -161,6 +161,15 @@ class DuckDBSink:
         """
         with self._connect() as con:
             self._create_table(con, SweepRow)
+
+    def check_readable(self) -> None:
+        """Read every value of the tables landing writes (`duckdb_file.read_whole`).
+
+        Raises:
+            duckdb.Error: a block of the file cannot be read.
+        """
+        with self._connect() as con:
+            read_whole(con, self.path, [m.table for m in (*ROW_MODELS, SweepRow)])
 
     def read_run(self, run_id: str) -> RunRow | None:
         """The `runs` row of `run_id`, or None if it has not landed."""
