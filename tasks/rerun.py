@@ -4,6 +4,7 @@ what changed and how to resume."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import posixpath
@@ -19,6 +20,7 @@ from workloads.fingerprint import same_shards, times_only
 from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
 from workloads.rundir import CONFIG
 from workloads.sources import DatasetError, SourceFile
+from workloads.tokens import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def check_resumable(
         f"{k}: {old_v!r} -> {new_v!r}{_default_change(k, old_v, new_v)}"
         for k, old_v, new_v in _diff(old, new)
         if not _same_format(k, old_v, new_v, files, listed)
-        and not _same_data_elsewhere(k, old_v, new_v, listed)
+        and not _same_data_elsewhere(k, old_v, new_v, listed, stored.dataset_dir)
     ]
     if diffs:
         raise ConfigError(
@@ -101,6 +103,8 @@ def check_resumable(
         # Files touched, copied or checked out again: told once the dataset is sharded,
         # before anything is provisioned (`same_records_result`).
         return plan.model_copy(update={"same_records_as": stored.dataset_dir})
+    if (ignored := _newly_ignored(plan, stored.dataset_dir, config.dataset.tokenizer)) is not None:
+        raise ConfigError(ignored)
     why = _changes(stored.dataset_dir, files or [])
     raise ConfigError(_other_data(plan, stored.dataset_dir, fingerprint, why))
 
@@ -166,7 +170,9 @@ def _default_change(key: str, old: object, new: object) -> str:
     return _DEFAULT_CHANGES.get((key, old, new), "")
 
 
-def _same_data_elsewhere(key: str, old: object, new: object, listed: bool) -> bool:
+def _same_data_elsewhere(
+    key: str, old: object, new: object, listed: bool, dataset_dir: str
+) -> bool:
     """Whether `dataset.sources` or `dataset.tokenizer` changed only in how it names the
     same data, which the dataset check decides, not the spelling: a relative path for the
     absolute one (or `a//b`, a symlink), a copy of the same tokenizer file.
@@ -175,18 +181,44 @@ def _same_data_elsewhere(key: str, old: object, new: object, listed: bool) -> bo
       and version), so the same files give the dataset the run trained on, and others
       are refused naming what was added, removed or changed. Not listed (a sweep's plan,
       gs:// sources in `tpupipe validate`), the names are compared.
-    - tokenizer: the same bytes, whatever its path: the fingerprint covers its content.
-      A file that cannot be read is a change (its error comes with the inputs).
+    - tokenizer: a file whose sha256 is the one the trained dataset's manifest records
+      (the fingerprint covers its content), wherever it is: the path stored may be
+      relative to another directory, or gone. A file that cannot be read is a change
+      (its error comes with the inputs).
     """
     if key == "dataset.sources":
         return listed
     if key != "dataset.tokenizer" or not old or not new:
         return False
     try:
-        with open(str(old), "rb") as before, open(str(new), "rb") as now:
-            return before.read() == now.read()
+        trained = load_manifest(dataset_dir)["tokenizer"].get("sha256")
+    except (DatasetError, OSError, KeyError, TypeError, AttributeError):
+        trained = None  # its dataset gone: the dataset check says so
+    try:
+        with open(str(new), "rb") as now:
+            return hashlib.sha256(now.read()).hexdigest() == trained
     except OSError:
         return False
+
+
+def _newly_ignored(plan: RunPlan, dataset_dir: str, tokenizer: str | None) -> str | None:
+    """The refusal of a run whose dataset was built, by a version before they were turned
+    off, with its tokenizer file's truncation or padding (`TokenizerSpec.ignores`): the
+    same file now gives whole documents, other records. The general refusal said the
+    tokenizer file or an option changed and to restore them, where nothing had."""
+    try:
+        built = load_manifest(dataset_dir)["tokenizer"]
+        now = load_tokenizer(tokenizer)
+    except (DatasetError, OSError, KeyError, TypeError):
+        return None
+    if not now.ignores or built.get("ignores") or built.get("sha256") != now.sha256:
+        return None
+    return (
+        f"run {plan.run_name!r} trained on dataset {dataset_dir}, built from tokenizer file "
+        f"{now.path} with its {' and '.join(now.ignores)}, which this version turns off "
+        "(documents are encoded whole): the same file now gives other records, and resuming "
+        "would go on over them. Choose a new run_name"
+    )
 
 
 def _same_format(

@@ -292,6 +292,16 @@ def test_a_rerun_naming_the_same_data_otherwise_resumes_and_other_sources_are_re
     shutil.copy(tok, tmp_path / "copy.json")
     assert rerun(tokenizer="tok.json", sources=["corpus"]) == plan.config_hash
     assert rerun(tokenizer="copy.json", sources=[f"{tmp_path}//corpus/"]) == plan.config_hash
+    # Stored relative to another directory, or moved since: the same bytes still resume.
+    changed = cfg.model_copy(
+        update={"dataset": cfg.dataset.model_copy(update={"tokenizer": "../tok.json"})}
+    )
+    write_workload_config(changed, plan, built.dataset_dir)
+    assert rerun(tokenizer=str(tmp_path / "copy.json")) == plan.config_hash
+    tok.rename(tmp_path / "moved.json")
+    assert rerun(tokenizer="moved.json") == plan.config_hash
+    (tmp_path / "moved.json").rename(tok)
+    write_workload_config(cfg, plan, built.dataset_dir)
     other = tmp_path / "other"
     other.mkdir()
     (other / "0.txt").write_text("another corpus " * 40)
@@ -300,6 +310,38 @@ def test_a_rerun_naming_the_same_data_otherwise_resumes_and_other_sources_are_re
     bpe_tokenizer(tmp_path / "other.json", extra=("[X]",))
     with pytest.raises(ConfigError, match=r"config \(dataset.tokenizer: '.*tok.json' -> 'other"):
         rerun(tokenizer="other.json")  # another file: named as the field that changed
+
+
+def test_a_run_built_with_its_tokenizers_truncation_says_so_after_the_upgrade(
+    tmp_path, monkeypatch
+):
+    # Refused as "the tokenizer file or a dataset option changed ... Restore them", where
+    # nothing had changed: this version turns the file's truncation off.
+    from tokenizers import Tokenizer
+
+    from tasks.prepare import check_inputs
+    from tests.test_data_formats import bpe_tokenizer
+    from workloads import data, tokens
+
+    _, cfg = six_document_run(tmp_path)
+    path = bpe_tokenizer(tmp_path / "tok.json")
+    cutting = Tokenizer.from_file(str(path))
+    cutting.enable_truncation(8)
+    cutting.save(str(path))
+    cfg = cfg.model_copy(
+        update={"dataset": cfg.dataset.model_copy(update={"tokenizer": str(path)})}
+    )
+    plan = plan_run(cfg)
+    with monkeypatch.context() as before:  # built as the version before did: cut documents
+        before.setattr(tokens, "_whole_documents", lambda hf: ())
+        built = data.shard_dataset(cfg.dataset, plan.datasets_root)
+    write_workload_config(cfg, plan, built.dataset_dir)
+    with pytest.raises(ConfigError) as err:
+        check_inputs(cfg, plan_run(cfg))
+    said = str(err.value)
+    assert said.startswith(f"run 'r' trained on dataset {built.dataset_dir}, built from ")
+    assert "with its truncation, which this version turns off" in said
+    assert said.endswith("Choose a new run_name")
 
 
 def test_a_run_on_a_dataset_an_older_version_stored_resumes_after_an_upgrade(tmp_path):
