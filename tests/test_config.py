@@ -71,6 +71,23 @@ def test_integers_past_what_can_train_or_be_stored_are_refused_naming_field_and_
     assert all(p["minimum"] >= -(2**63) and p["maximum"] <= 2**63 - 1 for p in integers)
 
 
+def test_waits_past_what_a_run_can_take_are_refused_naming_the_fields(tmp_path):
+    # Both passed validation (probe Q): a lifetime of 1e300 s failed the slice's create on
+    # its ttl label; a backoff of 1e300 s crashed Prefect's first retry with an
+    # OverflowError that hid the failure it retried.
+    with pytest.raises(ConfigError, match=r":2: slice.max_lifetime_s: .*less than or equal"):
+        load_config(write(tmp_path, "slice:\n  max_lifetime_s: 1.0e+300\n"))
+    assert load_config(write(tmp_path, "slice:\n  max_lifetime_s: 2592000\n"))  # 30 days
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "resilience:\n  backoff_s: 1.0e+300\n"))
+    said = str(err.value)
+    assert "resilience.backoff_s = 1e+300, doubled for each of resilience.max_failures = 3" in said
+    assert "more than a week (604800 s): lower either" in said
+    with pytest.raises(ConfigError, match=r"resilience.max_failures = 20 retries"):
+        load_config(write(tmp_path, "resilience:\n  max_failures: 20\n"))
+    assert load_config(write(tmp_path, "resilience:\n  max_failures: 12\n"))
+
+
 def test_unknown_key_is_an_error(tmp_path):
     path = write(tmp_path, "train:\n  stepz: 10\n")
     with pytest.raises(ConfigError, match=rf"{path}:2: train.stepz: Extra inputs"):

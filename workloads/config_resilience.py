@@ -92,3 +92,28 @@ class ResilienceConfig(_Strict):
         description="A stale heartbeat is checked again after this long before the attempt "
         "is declared lost (a slow status read never triggers a recovery by itself).",
     )
+
+    @model_validator(mode="after")
+    def _waits_a_run_can_take(self) -> ResilienceConfig:
+        # Past what a datetime holds, the first retry crashed in Prefect's scheduling
+        # ("OverflowError: Python int too large to convert to C int"), hiding the failure
+        # it retried; well before that, a run would sit idle for months.
+        if (
+            self.max_failures
+            and (
+                longest := self.backoff_s
+                * 2.0 ** (self.max_failures - 1)
+                * (1 + self.backoff_jitter)
+            )
+            > MAX_BACKOFF_S
+        ):
+            raise ValueError(
+                f"resilience.backoff_s = {self.backoff_s:g}, doubled for each of "
+                f"resilience.max_failures = {self.max_failures} retries (± backoff_jitter "
+                f"{self.backoff_jitter:g}), waits up to {longest:.3g} s before the last, more "
+                f"than a week ({MAX_BACKOFF_S:g} s): lower either"
+            )
+        return self
+
+
+MAX_BACKOFF_S = 7 * 86400.0  # the longest wait before a retried create

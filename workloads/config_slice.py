@@ -37,6 +37,7 @@ QUEUE_TIMEOUT_RANGE_S = (1.0, 7 * 86400.0)
 # The reaper (every 10 minutes as deployed) deletes any slice past its `ttl` label, live
 # run or not: a shorter lifetime is no bound on a stray slice, only on a live one.
 MIN_LIFETIME_S = 600.0
+MAX_LIFETIME_S = 366 * 86400.0
 
 
 def _zone(value: str) -> str:
@@ -142,6 +143,9 @@ class SliceConfig(_Strict):
     max_lifetime_s: Float = Field(
         86400.0,
         ge=MIN_LIFETIME_S,
+        # A year: its ttl label (a deadline in epoch seconds) must stay a label's 63
+        # characters; 1e300 passed validation and failed at the slice's create.
+        le=MAX_LIFETIME_S,
         description="The `ttl` label of each attempt's slice: the reaper deletes a slice past "
         "it, even one still training. At least 600 s, and more than the slice's wait for "
         "capacity and start-up (gcp: queue_timeout_s for spot + provision_timeout_s; "
