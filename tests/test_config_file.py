@@ -55,6 +55,43 @@ def test_numbers_are_numbers_of_their_type(tmp_path, text, message):
         load_config(write(tmp_path, text + "\n"))
 
 
+@pytest.mark.parametrize(
+    ("section", "field", "written", "read_as"),
+    [
+        ("train", "steps", "010", "8"),  # octal
+        ("train", "seed", "0777", "511"),
+        ("model", "d_model", "0x20", "32"),
+        ("train", "steps", "0b1100", "12"),
+        ("train", "steps", "1:30", "90"),  # base 60
+        ("train", "learning_rate", "1:30", "90"),
+    ],
+)
+def test_numbers_yaml_reads_from_another_base_are_refused(
+    tmp_path, section, field, written, read_as
+):
+    # YAML 1.1 took them silently: `steps: 010` trained 8 steps (probe Q).
+    if field == "seed":
+        section, text = None, f"seed: {written}\n"
+    else:
+        text = f"{section}:\n  {field}: {written}\n"
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    name = f"{section}.{field}" if section else field
+    line = 2 if section else 1
+    said = f"{path}:{line}: {name}: {written!r} is not a decimal number: YAML reads it as {read_as}"
+    assert str(err.value).startswith(said), err.value
+
+
+def test_a_number_from_another_base_in_an_override_is_refused_and_text_is_kept(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set 'train.steps=010': train.steps: '010' is not"):
+        load_config(write(tmp_path, BASE), ["train.steps=010"])
+    # Text fields keep what was written; decimal forms pass.
+    ok = "run_name: '0x20'\ndataset: {sources: [stdlib, 010]}\ntrain: {steps: +1_000}\n"
+    cfg = load_config(write(tmp_path, ok), ["run_name=010"])
+    assert (cfg.run_name, cfg.dataset.sources[1], cfg.train.steps) == ("010", "010", 1000)
+
+
 def test_floats_still_take_ints_and_exponents_without_a_dot(tmp_path):
     # PyYAML reads 1e-3 as a string: refusing it would refuse how people write rates.
     cfg = load_config(write(tmp_path, "train: {learning_rate: 1e-3, weight_decay: 0}\n"))

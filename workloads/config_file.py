@@ -24,6 +24,7 @@ from workloads.config_yaml import (
     field_annotation,
     is_text_field,
     line_index,
+    number_not_decimal,
     strings_as_written,
 )
 from workloads.rundir import same_directory
@@ -124,7 +125,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     duplicate = duplicate_key(node)  # as in the file: YAML would keep the last one silently
     if duplicate:
         raise ConfigError(f"--set {text!r}: the value gives the key {duplicate[0]!r} twice")
+    if odd := number_not_decimal(node, PipelineConfig, tuple(path)):
+        raise ConfigError(f"--set {text!r}: {_not_decimal(*odd)}")
     return path, strings_as_written(node, value, annotation)
+
+
+def _not_decimal(path: tuple[str, ...], line: int, text: str) -> str:
+    read = yaml.safe_load(text)
+    return (
+        f"{'.'.join(path)}: {text!r} is not a decimal number: YAML reads it as {read!r} (a "
+        "leading 0 is octal, 0x hexadecimal, 0b binary, a colon base 60); write the number "
+        "in decimal"
+    )
 
 
 def _text_value(raw: str) -> str | None:
@@ -184,6 +196,8 @@ def load_config(
     overrides = overrides or []
     source = os.fspath(path)
     node, data = read_yaml(source)
+    if odd := number_not_decimal(node, PipelineConfig):
+        raise ConfigError(f"{source}:{odd[1]}: {_not_decimal(*odd)}")
     data = strings_as_written(node, data, PipelineConfig)
     data = apply_overrides(data, overrides)
     try:
