@@ -357,3 +357,24 @@ def test_attention_that_grows_with_seq_len_squared_is_counted(tmp_path):
     # 4 rows a device x 32768**2 x (4 bytes of bias + 1 layer x 1 head x 2 bytes).
     assert "dataset.seq_len = 32768 keeps activations of at least 24.2 GiB per device" in msg
     assert "the attention probabilities: dataset.seq_len squared for each of " in msg
+
+
+def test_local_hosts_whose_processes_alone_exceed_the_host_are_refused(tmp_path):
+    # 64 host processes of ~0.6 GiB each passed on a 24 GiB host (probe Q).
+    def problems(hosts: int) -> list[str]:
+        config = tiny_config(
+            tmp_path,
+            f"slice.devices={hosts}",
+            f"slice.hosts={hosts}",
+            "mesh.data=-1",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            f"train.batch_size={hosts}",
+            f"eval.batch_size={hosts}",
+        )
+        return memory_problems(config, THIS_HOST)
+
+    assert problems(8) == []
+    (msg,) = problems(64)
+    assert msg.startswith("slice.hosts = 64 local workload processes need at least 25.0 GiB")
+    assert msg.endswith("within its cgroup's limit): use fewer slice.hosts")

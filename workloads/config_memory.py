@@ -45,6 +45,10 @@ GIB = 1 << 30
 # from Cloud TPU's system architecture pages. A family not listed is not checked.
 HBM_BYTES_PER_CHIP = {"v4": 32 * GIB, "v5litepod": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
 
+# What each process of a local slice's hosts takes before any model, at least: Python, JAX
+# and XLA's CPU runtime (~0.6 GiB each measured for configs/tiny.yaml).
+HOST_PROCESS_BYTES = 400 * 2**20
+
 # Refuse when the state plus the activations counted exceed this many times the memory.
 ACTIVATION_SLACK = 2
 
@@ -142,10 +146,18 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
     limit = _device_memory(cfg, host_bytes)
     if limit is None:
         return []
+    local = cfg.slice.provider == "local"
     per_device, have = limit
+    if (hosts := cfg.slice.hosts) > 1 and local and hosts * HOST_PROCESS_BYTES > host_bytes:
+        return [
+            f"slice.hosts = {hosts} local workload processes need at least "
+            f"{_gib(hosts * HOST_PROCESS_BYTES)} before any model (each a Python and JAX "
+            f"runtime of {_gib(HOST_PROCESS_BYTES)} or more: ~0.6 GiB measured for the tiny "
+            f"config), more than {have}: use fewer slice.hosts"
+        ]
     vocab = tokenizer_vocab(cfg)
     est = estimate_memory(cfg, vocab)
-    m, mesh, local = cfg.model, cfg.mesh, cfg.slice.provider == "local"
+    m, mesh = cfg.model, cfg.mesh
     # A large vocabulary can be most of the model: say where the embedding's rows come from.
     sizes = f"model.d_model = {m.d_model}, model.n_layers = {m.n_layers}"
     if cfg.dataset.tokenizer:
