@@ -350,6 +350,13 @@ def test_a_short_eval_split_advises_eval_fraction_not_num_shards(tmp_path):
         data.shard_dataset(cfg_for(corpus, seq_len=1024, eval_fraction=1e-9), tmp_path / "o")
 
 
+def test_too_few_documents_within_max_bytes_names_it(tmp_path):
+    # "give 1 document(s)" named the sources alone, where max_bytes had kept one file.
+    corpus = make_corpus(tmp_path)
+    with pytest.raises(DatasetError, match=r"give 1 document\(s\) within dataset.max_bytes = 1;"):
+        data.shard_dataset(cfg_for(corpus, max_bytes=1), tmp_path / "o")
+
+
 def test_hidden_files_and_directories_are_not_corpus(tmp_path):
     from infra.storage import source_storage
 

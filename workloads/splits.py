@@ -76,9 +76,11 @@ def plan_splits(
             f"dataset sources {cfg.sources!r} contain no text: {docs} document(s), all empty"
         )
     if docs < 2:
+        # max_bytes keeps whole files: a small one can leave a single document.
+        cut = f" within dataset.max_bytes = {cfg.max_bytes}" if cfg.max_bytes else ""
         raise DatasetError(
-            f"dataset sources {cfg.sources!r} give {docs} document(s); train and eval each "
-            "need at least one"
+            f"dataset sources {cfg.sources!r} give {docs} document(s){cut}; train and eval "
+            "each need at least one"
         )
     for empty, other in (("eval", "train"), ("train", "eval")):
         if not splits[empty]["documents"]:
