@@ -85,6 +85,8 @@ def test_what_a_teammate_left_that_a_run_writes_in_place_is_refused(
     root = tmp_path / "root"
     path = root / made
     path.parent.mkdir(parents=True, exist_ok=True)
+    if made == "metrics.duckdb.wal":  # a log lives beside its database (alone, it is refused)
+        DuckDBSink(root / "metrics.duckdb").ensure_tables()
     path.mkdir() if made.endswith("/") else path.write_text("")
     args = ["validate", "--config", TINY, "--set", f"storage.root={root}"]
     with immutable(path):
