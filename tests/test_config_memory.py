@@ -126,17 +126,17 @@ def test_a_model_that_fits_v5e_8_only_split_over_fsdp(tmp_path):
 
 def test_activations_are_refused_only_well_past_the_memory(tmp_path):
     # The state of this 4000-layer, 32-wide model is 1 GiB; its counted activations (each
-    # block's input, the logits, each layer's attention probabilities) grow with the batch.
-    # 24 GiB of host: refused only once state + activations pass 48 GiB, though the step
-    # would hold several times more.
+    # block's input, the logits, one layer's attention scores) grow with the batch. 24 GiB
+    # of host: refused only once state + activations pass 48 GiB, though the step would
+    # hold several times more.
     base = ("model.n_layers=4000", "dataset.seq_len=64")
 
     def problems(batch: int) -> list[str]:
         return memory_problems(tiny_config(tmp_path, *base, f"train.batch_size={batch}"), THIS_HOST)
 
-    assert problems(384) == []  # ~36 GiB with the state: more than the host, less than 2x
-    (msg,) = problems(768)  # ~71 GiB
-    assert msg.startswith("train.batch_size = 768 over mesh.data*mesh.fsdp = 2*2 with ")
+    assert problems(1024) == []  # ~33 GiB with the state: more than the host, less than 2x
+    (msg,) = problems(2048)  # ~64 GiB
+    assert msg.startswith("train.batch_size = 2048 over mesh.data*mesh.fsdp = 2*2 with ")
     assert "model.n_layers = 4000" in msg and "more than 2 times this host's 24.0 GiB" in msg
 
 
@@ -262,12 +262,12 @@ def test_the_state_on_a_device_is_what_the_estimate_counts(tmp_path):
 def test_an_eval_batch_past_the_hosts_memory_is_named(tmp_path):
     config = tiny_config(tmp_path, "eval.batch_size=1000000")
     problem = config_memory.eval_memory_problem(config, 2_000_000, 257, THIS_HOST)
-    # 10**6 rows x 32 tokens x 384 (257 padded) x 4 bytes of logits, and 32 x 32 scores
-    # (the float32 bias, and 2 heads of bfloat16 probabilities) a row.
+    # 10**6 rows x 32 tokens x 384 (257 padded) x 4 bytes of logits, and 32 x 32 float32
+    # scores (the mask bias, and 2 heads') a row.
     assert problem.startswith(
         "eval.batch_size = 1000000: a batch of 1000000 of the eval split's 2000000 records, "
         "dataset.seq_len = 32 tokens each, keeps float32 logits over a vocabulary of 384 and "
-        "one layer's attention scores (seq_len squared a head) of 53.4 GiB"
+        "one layer's attention scores (seq_len squared a head) of 57.2 GiB"
     )
     assert "more than this host's 24.0 GiB of memory" in problem
     assert problem.endswith("lower eval.batch_size")
@@ -354,9 +354,9 @@ def test_attention_that_grows_with_seq_len_squared_is_counted(tmp_path):
 
     assert problems(4096) == []
     (msg,) = problems(32768)
-    # 4 rows a device x 32768**2 x (4 bytes of bias + 1 layer x 1 head x 2 bytes).
-    assert "dataset.seq_len = 32768 keeps activations of at least 24.2 GiB per device" in msg
-    assert "the attention probabilities: dataset.seq_len squared for each of " in msg
+    # 4 rows a device x 32768**2 x 4 bytes x (the mask bias + 1 head's scores).
+    assert "dataset.seq_len = 32768 keeps activations of at least 32.2 GiB per device" in msg
+    assert "attention's float32 mask and one layer's scores: dataset.seq_len squared" in msg
 
 
 def test_local_hosts_whose_processes_alone_exceed_the_host_are_refused(tmp_path):

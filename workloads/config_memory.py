@@ -90,18 +90,16 @@ def estimate_memory(cfg: PipelineConfig, vocab_size: int) -> MemoryEstimate:
     )
 
 
-def attention_bytes(cfg: PipelineConfig, layers: int | None = None) -> int:
-    """What one row (sequence) holds in attention, at least: the float32 mask bias shared
-    by the layers (seq x seq) and each layer's probabilities, one seq x seq matrix per head
-    of the device's (heads split over mesh.tensor) in model.dtype, kept for the backward
-    pass (`layers`: how many are held at once, default all of them).
+def attention_bytes(cfg: PipelineConfig) -> int:
+    """What one row (sequence) holds in attention at least, at once: the float32 mask bias
+    the layers share (seq x seq) and one layer's float32 scores, a seq x seq matrix for each
+    head of the device's (heads split over mesh.tensor). Not every layer's probabilities,
+    which the backward pass keeps unless XLA rematerialises them (it may, on TPU).
 
     Why: they grow with dataset.seq_len squared. A seq_len of 32,768 passed the check on a
     24 GiB host, provisioned a slice and failed allocating 60 GB."""
-    m, seq = cfg.model, cfg.dataset.seq_len
-    heads = m.n_heads // cfg.mesh.tensor
-    held = m.n_layers if layers is None else layers
-    return seq * seq * (4 + held * heads * _BYTES[m.dtype])
+    seq, heads = cfg.dataset.seq_len, cfg.model.n_heads // cfg.mesh.tensor
+    return seq * seq * 4 * (1 + heads)
 
 
 _VOCABS: dict[tuple, int] = {}  # a tokenizer file's vocabulary, by path, size and mtime
@@ -189,9 +187,9 @@ def memory_problems(cfg: PipelineConfig, host_bytes: int | None) -> list[str]:
             f"{mesh.data}*{mesh.fsdp} with dataset.seq_len = {cfg.dataset.seq_len} keeps "
             f"activations of at least {_amount(cfg, est.activations)} (the input of each of "
             f"model.n_layers = {m.n_layers} blocks, model.d_model = {m.d_model} wide in "
-            f"model.dtype = {m.dtype}, the float32 logits, and the attention probabilities: "
-            f"dataset.seq_len squared for each of model.n_heads = {m.n_heads} heads over "
-            f"mesh.tensor = {mesh.tensor}), and with the training state "
+            f"model.dtype = {m.dtype}, the float32 logits, and attention's float32 mask and "
+            f"one layer's scores: dataset.seq_len squared for each of model.n_heads = "
+            f"{m.n_heads} heads over mesh.tensor = {mesh.tensor}), and with the training state "
             f"({_amount(cfg, est.state)}) that is more than {ACTIVATION_SLACK} times {have}: "
             f"{advice}"
         ]
@@ -221,9 +219,9 @@ def eval_memory_problem(
         return None
     rows = min(cfg.eval.batch_size, max(eval_records, 1))
     vocab = padded_vocab_size(vocab_size)
-    # On one device: every head, one layer's scores at a time (no backward pass).
+    # On one device: every head's scores.
     one_device = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"tensor": 1})})
-    logits = rows * (cfg.dataset.seq_len * vocab * 4 + attention_bytes(one_device, layers=1))
+    logits = rows * (cfg.dataset.seq_len * vocab * 4 + attention_bytes(one_device))
     m = cfg.model
     count = param_count(m, vocab_size)
     params = count * _BYTES[m.param_dtype]
