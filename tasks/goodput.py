@@ -93,6 +93,7 @@ class AttemptTimeline:
     # Preempted without a notice and no checkpoint past the one it resumed from (what
     # `resilience.max_stalled_attempts` counts): out of memory or stuck, more likely.
     stalled: bool = False
+    reason: str | None = None  # its attempt_ended event's, why it ended
 
     @property
     def steps_kept(self) -> int:
@@ -209,6 +210,9 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             deleted=t.get("deleted"),
             resumed_from=resumes[i],
             stalled=any(e.get("stalled") is True for e in evs if e["event"] == "attempt_ended"),
+            reason=next(
+                (e.get("reason") for e in reversed(evs) if e["event"] == "attempt_ended"), None
+            ),
         )
         timelines.append(line)
         if requested is not None:

@@ -142,6 +142,12 @@ def _run_config(run_dir: str) -> PipelineConfig | None:
     return load_workload_config(str(path)).pipeline
 
 
+def _short(reason: str, most: int = 300) -> str:
+    """A reason on one line, at most `most` characters."""
+    line = " ".join(str(reason).split())
+    return line if len(line) <= most else line[: most - 1] + "…"
+
+
 def format_report(report: RunReport) -> str:
     """The timeline as plain text: one line per attempt, then the run's totals."""
     ledger = report.ledger
@@ -177,6 +183,13 @@ def format_report(report: RunReport) -> str:
             ]
         )
     lines += _table(rows)
+    # Why an attempt that did not complete ended (a preemption, the error, the signal): the
+    # ledger had it, and the report showed only the outcome.
+    lines += [
+        f"attempt {a.timeline.attempt} {a.timeline.outcome}: {_short(a.timeline.reason)}"
+        for a in ledger.attempts
+        if a.timeline.reason and a.timeline.outcome != "completed"
+    ]
     # A rerun may change the slice: an attempt that ran on another is billed as it ran.
     lines += [
         f"attempt {a.timeline.attempt} ran on {_ran_on(a.price)}"

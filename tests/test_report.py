@@ -59,6 +59,10 @@ def test_report_prints_the_timeline_and_writes_a_png(tmp_path, capsys):
     assert attempts[1][:4] == ["2", "+50.0", "+97.0", "preempted"]
     assert attempts[1][4] == "20.0" and attempts[1][-3:] == ["37.0", "0.0822", "$0.1644"]
     assert attempts[2][3] == "completed" and attempts[2][-3:] == ["51.0", "0.1133", "$0.2267"]
+    # Why each attempt that did not complete ended: the ledger's reason, shown at last.
+    assert "attempt 1 preempted: slice PREEMPTED" in lines
+    assert "attempt 2 preempted: exit 75" in lines
+    assert not [line for line in lines if line.startswith("attempt 3 ")]
     assert "attempts 3, preempted 2; wall 151.0s; goodput 46.4% (productive 70.0s)" in out
     assert "provisioning 35.0s" in out and "idle 7.0s" in out
     assert f"= {TOKENS:,} training tokens" in out
