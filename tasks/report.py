@@ -186,9 +186,9 @@ def format_report(report: RunReport) -> str:
     # Why an attempt that did not complete ended (a preemption, the error, the signal): the
     # ledger had it, and the report showed only the outcome.
     lines += [
-        f"attempt {a.timeline.attempt} {a.timeline.outcome}: {_short(a.timeline.reason)}"
-        for a in ledger.attempts
-        if a.timeline.reason and a.timeline.outcome != "completed"
+        f"attempt {t.attempt} {'stalled' if t.stalled else t.outcome}: {_short(t.reason)}"
+        for t in (a.timeline for a in ledger.attempts)
+        if t.reason and t.outcome != "completed"
     ]
     # A rerun may change the slice: an attempt that ran on another is billed as it ran.
     lines += [
