@@ -63,9 +63,9 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
 
     try:
         sink = build_sink(metrics.sink, plan.metrics_path, metrics, LOCK_WAIT_S)
+        row = sink.read_run(plan.run_id)  # first: a table landing cannot use is named
         if metrics.sink == "duckdb":
-            sink.check_readable()  # a damaged block anywhere fails the landing
-        row = sink.read_run(plan.run_id)
+            sink.check_readable(plan.run_id)  # a damaged block anywhere fails the landing
     except SchemaError as exc:  # landing would fail on it after the whole training run
         raise ConfigError(f"metrics.path = {plan.metrics_path!r}: {exc}") from None
     except Exception as exc:  # the check is advisory: landing reports a real problem

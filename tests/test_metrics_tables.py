@@ -4,6 +4,8 @@ with DuckDB's own words or with values converted on the way in."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import duckdb
 import pytest
 
@@ -211,6 +213,34 @@ def test_a_damaged_block_the_runs_own_row_does_not_touch_is_refused_too(tmp_path
         with pytest.raises(ConfigError, match=r"DuckDB cannot read it \(Corrupt database file"):
             check_run_owner(config, plan)
     assert missed
+
+
+def test_whatever_block_is_damaged_a_landing_that_would_fail_is_refused_first(tmp_path):
+    # A damaged block of a primary key's index passed the read of every value (probe R):
+    # the run trained, then its landing's upsert failed on it, "run it again".
+    import shutil
+
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    good = tmp_path / "good.duckdb"
+    DuckDBSink(good).land(run_row("old"), steps("old", n=100_000), evals("old"))
+    damaged, landing = Path(plan.metrics_path), tmp_path / "landing.duckdb"
+    failed = 0
+    for k in range((good.stat().st_size - 12288) // 262144 + 1):
+        for offset in (100, 1024):
+            for copy in (damaged, landing):
+                shutil.copy(good, copy)
+                with open(copy, "r+b") as f:
+                    f.seek(12288 + k * 262144 + offset)
+                    f.write(b"\xff" * 64)
+            try:
+                DuckDBSink(landing).land(run_row("r1"), steps("r1", n=12), evals("r1"))
+                continue
+            except duckdb.Error:
+                failed += 1
+            with pytest.raises(ConfigError, match=r"DuckDB cannot read it"):
+                check_run_owner(config, plan)
+    assert failed
 
 
 def test_a_metrics_file_another_process_holds_still_passes(tmp_path):

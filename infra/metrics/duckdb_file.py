@@ -66,9 +66,10 @@ def unusable_database(exc: BaseException) -> bool:
 _READ_WHOLE: set[tuple] = set()  # versions of files read whole by this process
 
 
-def read_whole(con: duckdb.DuckDBPyConnection, path: str | os.PathLike[str], tables) -> None:
+def read_whole(con: duckdb.DuckDBPyConnection, path: str | os.PathLike[str], tables) -> set[str]:
     """Read every value of those of `tables` that exist in the database `con` has open (at
-    `path`), once per version of the file and its WAL in this process.
+    `path`; in its current schema), once per version of the file and its WAL in this
+    process. Returns those tables.
 
     Why: DuckDB checks a block's checksum when it reads it, and a run's lookup of its own
     row reads few blocks. A file whose other blocks were damaged (a torn copy, bit rot)
@@ -79,20 +80,26 @@ def read_whole(con: duckdb.DuckDBPyConnection, path: str | os.PathLike[str], tab
         duckdb.Error: a block cannot be read ("Corrupt database file: computed checksum
             ... does not match").
     """
+    # Only the schema landing writes in: a user's table of the same name in another one
+    # (notebook.sweeps) was read unqualified, failed, and the file was called unreadable.
+    there = {
+        name.lower()
+        for (name,) in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = current_schema() "
+            "AND database_name = current_database()"
+        ).fetchall()
+    }
+    present = {table for table in tables if table.lower() in there}
     version = tuple(
         (st.st_size, st.st_mtime_ns, st.st_ino) if (st := _stat(f)) else None
         for f in (os.fspath(path), f"{os.fspath(path)}.wal")
     )
     key = (os.path.realpath(path), version)
-    if key in _READ_WHOLE:
-        return
-    there = {
-        name.lower() for (name,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
-    }
-    for table in tables:
-        if table.lower() in there:  # every column's values hashed: no block left unread
+    if key not in _READ_WHOLE:
+        for table in sorted(present):  # every column's values hashed: no block left unread
             con.execute(f"SELECT bit_xor(hash(COLUMNS(*))) FROM {table}").fetchall()
-    _READ_WHOLE.add(key)
+        _READ_WHOLE.add(key)
+    return present
 
 
 def _stat(path: str) -> os.stat_result | None:

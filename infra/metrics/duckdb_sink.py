@@ -19,6 +19,7 @@ import os
 import re
 import time
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -162,14 +163,37 @@ class DuckDBSink:
         with self._connect() as con:
             self._create_table(con, SweepRow)
 
-    def check_readable(self) -> None:
-        """Read every value of the tables landing writes (`duckdb_file.read_whole`).
+    def check_readable(self, run_id: str) -> None:
+        """Read every value of the tables landing writes (`duckdb_file.read_whole`), then
+        land a row of `run_id` in each in a transaction rolled back: its delete and upsert
+        read the primary keys' indexes along that key (a damaged index block passed the
+        values' read, and the landing failed on it after training).
 
         Raises:
             duckdb.Error: a block of the file cannot be read.
         """
+        now = datetime.now(UTC)
+        probes = {
+            RunRow: RunRow(
+                run_id=run_id, run_name=run_id, status="failed", config_hash="",
+                config_json="{}", dataset_fingerprint="", started_at=now, run_dir="",
+            ),
+            StepMetricRow: StepMetricRow(run_id=run_id, step=0, recorded_at=now),
+            EvalMetricRow: EvalMetricRow(run_id=run_id, step=0, tokens=0, recorded_at=now),
+        }  # fmt: skip
         with self._connect() as con:
-            read_whole(con, self.path, [m.table for m in (*ROW_MODELS, SweepRow)])
+            tables = read_whole(con, self.path, [m.table for m in (*ROW_MODELS, SweepRow)])
+            con.execute("BEGIN TRANSACTION")
+            try:
+                for model, row in probes.items():
+                    if model.table in tables:
+                        con.execute(f"DELETE FROM {model.table} WHERE run_id = ?", [run_id])
+                        self._upsert(con, model, [row])
+            except BaseException:
+                with contextlib.suppress(duckdb.Error):  # the read's error is the one to tell
+                    con.execute("ROLLBACK")
+                raise
+            con.execute("ROLLBACK")
 
     def read_run(self, run_id: str) -> RunRow | None:
         """The `runs` row of `run_id`, or None if it has not landed."""
