@@ -251,3 +251,15 @@ def test_a_metrics_file_another_process_holds_still_passes(tmp_path):
     DuckDBSink(plan.metrics_path).ensure_tables()
     with held(plan.metrics_path, tmp_path / "release"):
         check_run_owner(config, plan)  # landing waits for the lock: no refusal
+
+
+def test_a_users_table_of_a_landing_tables_name_in_another_schema_passes(tmp_path):
+    # notebook.sweeps was read as sweeps, which does not exist before a sweep lands: the
+    # healthy file was refused as unreadable (probe R).
+    config = tiny_config(tmp_path, "run_name=r1")
+    plan = plan_run(config)
+    DuckDBSink(plan.metrics_path).land(run_row(), steps(), evals())
+    with duckdb.connect(plan.metrics_path) as con:
+        con.execute("CREATE SCHEMA notebook")
+        con.execute("CREATE TABLE notebook.sweeps (name VARCHAR, best DOUBLE)")
+    check_run_owner(config, plan)
