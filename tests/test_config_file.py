@@ -83,6 +83,13 @@ def test_numbers_yaml_reads_from_another_base_are_refused(
     assert str(err.value).startswith(said), err.value
 
 
+def test_a_number_from_another_base_in_a_merge_key_is_refused(tmp_path):
+    # `<<: {steps: 010}` merged the octal 8 into train, past the check (probe R).
+    path = write(tmp_path, "train:\n  <<: {steps: 010}\n")
+    with pytest.raises(ConfigError, match=r":2: train.steps: '010' is not a decimal number"):
+        load_config(path)
+
+
 def test_a_number_from_another_base_in_an_override_is_refused_and_text_is_kept(tmp_path):
     with pytest.raises(ConfigError, match=r"--set 'train.steps=010': train.steps: '010' is not"):
         load_config(write(tmp_path, BASE), ["train.steps=010"])

@@ -86,7 +86,8 @@ def number_not_decimal(
     None. `node` is the document, or with `prefix` the value of the field at that path."""
     entries = [((), node, node)] if isinstance(node, yaml.ScalarNode) else _entries(node)
     for path, _, value in entries:
-        full = (*prefix, *path)
+        # A merge key's mapping (`<<: {steps: 010}`) lands in the mapping that holds it.
+        full = tuple(part for part in (*prefix, *path) if part != "<<")
         pattern = _DECIMAL.get(value.tag) if isinstance(value, yaml.ScalarNode) else None
         if pattern is None or pattern.fullmatch(value.value.strip()):
             continue
