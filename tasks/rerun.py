@@ -273,6 +273,11 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
     said = [
         f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
     ]
+    if not said and list(before) != list(now):  # the same files, listed in another order
+        return (
+            "the same source files in another order (the order of dataset.sources, and of "
+            "the files each gives, is the order of the records); list them as before"
+        )
     version = manifest.get("format_version")
     if not said and isinstance(version, int) and version < SAME_RECORDS_SINCE:
         return (

@@ -329,6 +329,29 @@ def test_a_rerun_naming_the_same_data_otherwise_resumes_and_other_sources_are_re
         rerun(tokenizer="other.json")  # another file: named as the field that changed
 
 
+def test_the_same_sources_in_another_order_are_refused_saying_so(tmp_path):
+    # It blamed "the tokenizer file or a dataset option", where neither had changed.
+    from tasks.prepare import check_inputs
+    from workloads import data
+
+    corpus, cfg = six_document_run(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(3):
+        (other / f"{i}.txt").write_text(f"other document {i} " * 40)
+    both = [str(corpus), str(other)]
+    cfg = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"sources": both})})
+    plan = plan_run(cfg)
+    write_workload_config(
+        cfg, plan, data.shard_dataset(cfg.dataset, plan.datasets_root).dataset_dir
+    )
+    swapped = cfg.model_copy(
+        update={"dataset": cfg.dataset.model_copy(update={"sources": both[::-1]})}
+    )
+    with pytest.raises(ConfigError, match=r"\(the same source files in another order \("):
+        check_inputs(swapped, plan_run(swapped))
+
+
 def test_a_run_built_with_its_tokenizers_truncation_says_so_after_the_upgrade(
     tmp_path, monkeypatch
 ):
