@@ -168,8 +168,9 @@ def test_a_storage_root_too_long_for_what_a_run_writes_is_refused(tmp_path, caps
         ("~/tpupipe-cc", "starts with ~, which is not expanded here"),
         ("gs://bkt/cc", "is not a directory on this machine: give a directory"),
         ("  ", "TPUPIPE_COMPILE_CACHE is empty: give a directory"),
+        ("${CACHE}/cc", "holds ${CACHE}, an environment variable, which is not expanded"),
     ],
-    ids=["tilde", "gs", "blank"],
+    ids=["tilde", "gs", "blank", "variable"],
 )
 def test_a_tpupipe_compile_cache_storage_root_would_refuse_is_refused(
     tmp_path, monkeypatch, capsys, value, said
@@ -300,8 +301,9 @@ def test_relative_cache_places_of_a_gcs_root_are_checked_and_named(tmp_path, mon
         ("gs://bucket/m.duckdb", "is not a file on this machine: DuckDB metrics are a local file"),
         ("~/m.duckdb", "starts with ~, which is not expanded here"),
         ("", "metrics.path is empty: give a DuckDB file's path, or leave it out"),
+        ("$HOME/m.duckdb", "holds $HOME, an environment variable, which is not expanded"),
     ],
-    ids=["gs", "tilde", "empty"],
+    ids=["gs", "tilde", "empty", "variable"],
 )
 def test_a_metrics_path_that_is_no_local_file_is_refused(tmp_path, value, said):
     # Each landed somewhere else, silently: ./gs:/bucket/m.duckdb, ./~/m.duckdb, and the

@@ -133,6 +133,7 @@ def test_a_blank_source_is_an_invalid_option_in_the_cli_and_the_config(tmp_path,
         ("", "--out is empty"),  # an unset variable: the dataset went into the working directory
         (" ", "--out is empty"),
         ("~/ds", "--out '~/ds' starts with ~, which is not expanded here"),  # it made ./~/ds
+        ("$DATA/ds", "--out '$DATA/ds' holds $DATA, an environment variable"),  # ./$DATA/ds
         ("s3://b/ds", "--out 's3://b/ds': s3:// is not supported"),
         ("gs://", "--out 'gs://' names no bucket"),
     ],

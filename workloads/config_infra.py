@@ -84,7 +84,21 @@ def place_problem(value: str, name: str, local_only: bool = False) -> str | None
             f"{name} {value!r} starts with ~, which is not expanded here: give the "
             "directory's absolute path (or one relative to the working directory)"
         )
-    return None
+    return unexpanded(value, name)
+
+
+_VARIABLE = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?")
+
+
+def unexpanded(value: str, name: str) -> str | None:
+    """'{name} ... holds $HOME ...' if `value` holds an environment variable, else None:
+    nothing expands one here, so `$HOME/x` was the local directory ./$HOME/x."""
+    if (found := _VARIABLE.search(value)) is None:
+        return None
+    return (
+        f"{name} {value!r} holds {found.group()}, an environment variable, which is not "
+        "expanded here: give the path itself"
+    )
 
 
 # Cloud Storage's bucket names: lowercase letters, digits, "-", "_" and ".", 3-222 long.
@@ -163,6 +177,8 @@ class MetricsConfig(_Strict):
                 f"metrics.path {value!r} starts with ~, which is not expanded here: give the "
                 "file's absolute path (or one relative to the working directory)"
             )
+        if (problem := unexpanded(value, "metrics.path")) is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("location")
