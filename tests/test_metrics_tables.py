@@ -185,19 +185,13 @@ def test_a_metrics_file_duckdb_cannot_read_is_refused_before_the_run(tmp_path, d
 def test_a_damaged_block_the_runs_own_row_does_not_touch_is_refused_too(tmp_path):
     # Looking up the run's row reads few blocks: a file with other blocks damaged passed,
     # the run trained, and its landing (or every later query) failed on them.
-    import shutil
-
     config = tiny_config(tmp_path, "run_name=r1")
     plan = plan_run(config)
     good = tmp_path / "good.duckdb"
     DuckDBSink(good).land(run_row("old"), steps("old", n=30_000), evals("old"))
-    blocks = (good.stat().st_size - 12288) // 262144 + 1  # DuckDB's 256 KiB blocks
     missed = 0
-    for k in range(blocks):
-        shutil.copy(good, plan.metrics_path)
-        with open(plan.metrics_path, "r+b") as f:
-            f.seek(12288 + k * 262144 + 100)
-            f.write(b"\x5a" * 2000)
+    for at in _blocks(good, 100):
+        _damaged_copy(good, plan.metrics_path, at, b"\x5a" * 2000)
         try:  # does the block hold values? (free space and index blocks are not scanned)
             with duckdb.connect(plan.metrics_path, read_only=True) as con:
                 for table in ("runs", "step_metrics", "eval_metrics"):
@@ -218,29 +212,38 @@ def test_a_damaged_block_the_runs_own_row_does_not_touch_is_refused_too(tmp_path
 def test_whatever_block_is_damaged_a_landing_that_would_fail_is_refused_first(tmp_path):
     # A damaged block of a primary key's index passed the read of every value (probe R):
     # the run trained, then its landing's upsert failed on it, "run it again".
-    import shutil
-
     config = tiny_config(tmp_path, "run_name=r1")
     plan = plan_run(config)
     good = tmp_path / "good.duckdb"
     DuckDBSink(good).land(run_row("old"), steps("old", n=100_000), evals("old"))
-    damaged, landing = Path(plan.metrics_path), tmp_path / "landing.duckdb"
+    landing = tmp_path / "landing.duckdb"
     failed = 0
-    for k in range((good.stat().st_size - 12288) // 262144 + 1):
-        for offset in (100, 1024):
-            for copy in (damaged, landing):
-                shutil.copy(good, copy)
-                with open(copy, "r+b") as f:
-                    f.seek(12288 + k * 262144 + offset)
-                    f.write(b"\xff" * 64)
-            try:
-                DuckDBSink(landing).land(run_row("r1"), steps("r1", n=12), evals("r1"))
-                continue
-            except duckdb.Error:
-                failed += 1
-            with pytest.raises(ConfigError, match=r"DuckDB cannot read it"):
-                check_run_owner(config, plan)
+    for at in [*_blocks(good, 100), *_blocks(good, 1024)]:
+        for copy in (plan.metrics_path, landing):
+            _damaged_copy(good, copy, at, b"\xff" * 64)
+        try:
+            DuckDBSink(landing).land(run_row("r1"), steps("r1", n=12), evals("r1"))
+            continue
+        except duckdb.Error:
+            failed += 1
+        with pytest.raises(ConfigError, match=r"DuckDB cannot read it"):
+            check_run_owner(config, plan)
     assert failed
+
+
+def _blocks(path: Path, offset: int) -> list[int]:
+    """The byte `offset` into each of the DuckDB file's 256 KiB blocks (after its headers)."""
+    return [12288 + k * 262144 + offset for k in range((path.stat().st_size - 12288) // 262144 + 1)]
+
+
+def _damaged_copy(good: Path, copy: str | Path, at: int, data: bytes) -> None:
+    """`good` copied to `copy`, with `data` written over its bytes from `at`."""
+    import shutil
+
+    shutil.copy(good, copy)
+    with open(copy, "r+b") as f:
+        f.seek(at)
+        f.write(data)
 
 
 def test_a_metrics_file_another_process_holds_still_passes(tmp_path):
