@@ -59,6 +59,7 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
         return
     from infra.metrics import build_sink
     from infra.metrics.duckdb_file import unusable_database
+    from infra.metrics.duckdb_sink import MetricsLocked
     from infra.metrics.duckdb_tables import SchemaError
 
     try:
@@ -71,6 +72,8 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     except Exception as exc:  # the check is advisory: landing reports a real problem
         if metrics.sink == "duckdb" and unusable_database(exc):
             raise ConfigError(damaged_database(plan.metrics_path, exc)) from None
+        if isinstance(exc, MetricsLocked):  # its message is landing's, after its wait
+            exc = "another process holds it open (landing waits for it, then says which)"
         log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
         return
     if (problem := owner_problem(config, plan, row)) is not None:

@@ -246,14 +246,17 @@ def _damaged_copy(good: Path, copy: str | Path, at: int, data: bytes) -> None:
         f.write(data)
 
 
-def test_a_metrics_file_another_process_holds_still_passes(tmp_path):
+def test_a_metrics_file_another_process_holds_still_passes(tmp_path, caplog):
     from tests.test_landing_interrupted import held
 
     config = tiny_config(tmp_path, "run_name=r1")
     plan = plan_run(config)
     DuckDBSink(plan.metrics_path).ensure_tables()
-    with held(plan.metrics_path, tmp_path / "release"):
+    with held(plan.metrics_path, tmp_path / "release"), caplog.at_level("WARNING"):
         check_run_owner(config, plan)  # landing waits for the lock: no refusal
+    # Not landing's message, which said "held open ... for over 0 s" here.
+    (said,) = [r.getMessage() for r in caplog.records if "could not look up" in r.getMessage()]
+    assert said.endswith("another process holds it open (landing waits for it, then says which)")
 
 
 def test_a_users_table_of_a_landing_tables_name_in_another_schema_passes(tmp_path):
