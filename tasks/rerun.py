@@ -4,7 +4,6 @@ what changed and how to resume."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import posixpath
@@ -17,7 +16,7 @@ from workloads.config_file import ConfigError, load_workload_config
 from workloads.data import ShardResult, same_records
 from workloads.documents import file_format
 from workloads.fingerprint import same_shards, times_only
-from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, load_manifest
+from workloads.manifest import FORMAT_VERSION, SAME_RECORDS_SINCE, file_sha256, load_manifest
 from workloads.rundir import CONFIG
 from workloads.sources import DatasetError, SourceFile
 from workloads.tokens import load_tokenizer
@@ -195,8 +194,7 @@ def _same_data_elsewhere(
     except (DatasetError, OSError, KeyError, TypeError, AttributeError):
         trained = None  # its dataset gone: the dataset check says so
     try:
-        with open(str(new), "rb") as now:
-            return hashlib.sha256(now.read()).hexdigest() == trained
+        return file_sha256(str(new)) == trained
     except OSError:
         return False
 
