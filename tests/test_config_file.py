@@ -99,6 +99,30 @@ def test_a_number_from_another_base_in_an_override_is_refused_and_text_is_kept(t
     assert (cfg.run_name, cfg.dataset.sources[1], cfg.train.steps) == ("010", "010", 1000)
 
 
+@pytest.mark.parametrize(
+    ("text", "line", "said"),
+    [
+        ("train:\n  steps: 3\n  on: 2\n", 3, "train: the key 'on' is read by YAML as the boolean"),
+        ("yes: 1\n", 1, "the key 'yes' is read by YAML as the boolean True"),
+        ("model:\n  1: 2\n", 2, "model: the key '1' is read by YAML as the number 1"),
+        ("slice: {~: a}\n", 1, "slice: the key '~' is read by YAML as null"),
+    ],
+)
+def test_a_key_yaml_reads_as_a_value_names_its_line_and_the_word(tmp_path, text, line, said):
+    # `on:` is YAML 1.1's True: pydantic said 'train.1: Keys should be strings (got True)',
+    # at the section's line (probe Q's leftover).
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}:{line}: {said}"), err.value
+    assert "quote it" in str(err.value)
+    with pytest.raises(ConfigError, match=r"--set 'train=\{no: 1\}': train: the key 'no' is"):
+        load_config(write(tmp_path, BASE), ["train={no: 1}"])
+    # Quoted, the word is a name like any other: an unknown field, said as such.
+    with pytest.raises(ConfigError, match=r"train\.on"):
+        load_config(write(tmp_path, "train: {'on': 2}\n"))
+
+
 def test_floats_still_take_ints_and_exponents_without_a_dot(tmp_path):
     # PyYAML reads 1e-3 as a string: refusing it would refuse how people write rates.
     cfg = load_config(write(tmp_path, "train: {learning_rate: 1e-3, weight_decay: 0}\n"))

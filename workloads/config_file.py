@@ -23,6 +23,7 @@ from workloads.config_yaml import (
     duplicate_key,
     field_annotation,
     is_text_field,
+    key_not_text,
     line_index,
     number_not_decimal,
     strings_as_written,
@@ -67,6 +68,8 @@ def read_yaml(source: str) -> tuple[yaml.Node, dict]:
     if duplicate:
         key, line, first = duplicate
         raise ConfigError(f"{source}:{line}: duplicate key {key!r} (first given at line {first})")
+    if odd_key := key_not_text(node):
+        raise ConfigError(f"{source}:{odd_key[2]}: {_key_not_text(*odd_key)}")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of config sections")
     if {"pipeline", "run_id", "config_hash"} <= set(data):
@@ -125,9 +128,20 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     duplicate = duplicate_key(node)  # as in the file: YAML would keep the last one silently
     if duplicate:
         raise ConfigError(f"--set {text!r}: the value gives the key {duplicate[0]!r} twice")
+    if odd_key := key_not_text(node):
+        section, key, _, kind = odd_key
+        raise ConfigError(f"--set {text!r}: {_key_not_text((*path, *section), key, 0, kind)}")
     if odd := number_not_decimal(node, PipelineConfig, tuple(path)):
         raise ConfigError(f"--set {text!r}: {_not_decimal(*odd)}")
     return path, strings_as_written(node, value, annotation)
+
+
+def _key_not_text(section: tuple[str, ...], key: str, line: int, kind: str) -> str:
+    where = f"{'.'.join(section)}: " if section else ""
+    return (
+        f"{where}the key {key!r} is read by YAML as {kind}, not as a name: "
+        f"quote it ('{key}':) if you mean the word"
+    )
 
 
 def _not_decimal(path: tuple[str, ...], line: int, text: str) -> str:

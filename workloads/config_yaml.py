@@ -43,6 +43,32 @@ def duplicate_key(node: yaml.Node | None) -> tuple[str, int, int] | None:
     return None
 
 
+# Plain keys YAML 1.1 reads as something other than text, and what it reads them as.
+_KEY_KINDS = {
+    "tag:yaml.org,2002:bool": "the boolean",
+    "tag:yaml.org,2002:int": "the number",
+    "tag:yaml.org,2002:float": "the number",
+    "tag:yaml.org,2002:null": "null",
+    "tag:yaml.org,2002:timestamp": "a date",
+}
+
+
+def key_not_text(node: yaml.Node | None) -> tuple[tuple[str, ...], str, int, str] | None:
+    """The first mapping key YAML reads as something other than text (`on:`, `yes:`, `1:`,
+    `~:`, a date), as (the path of its mapping, the key as written, its line, what YAML
+    reads it as), or None. Every key of a config names a field or a label, so such a key
+    is a word YAML 1.1 took for a value: pydantic then said `train.1: Keys should be
+    strings (got True)`, on the line of the section, not of the key."""
+    for path, key, value in _entries(node):
+        if key is value:  # a sequence's item, no key
+            continue
+        if isinstance(key, yaml.ScalarNode) and (kind := _KEY_KINDS.get(key.tag)):
+            if kind != "null":
+                kind = f"{kind} {yaml.safe_load(key.value)!r}"
+            return path[:-1], key.value, key.start_mark.line + 1, kind
+    return None
+
+
 def _entries(node: yaml.Node | None):
     """(path, key or item node, value node) of every mapping entry and sequence item.
 
