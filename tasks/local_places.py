@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 
 from infra.metrics.duckdb_file import LONGEST_SUFFIX, database_file_problem
 from infra.slices import registry_dir
 from tasks.plan import COMPILE_CACHE_ENV, RunPlan, shared_compile_cache
-from tasks.run_lock import locks_dir, owner_and_mode
+from tasks.run_lock import beyond_mode, locks_dir, owner_and_mode
 from tasks.shared_root import check_writable, metrics_field
 from workloads.config import PipelineConfig
 from workloads.config_file import ConfigError
@@ -151,7 +150,7 @@ def _cannot_create(path: str, write: bool = True) -> str | None:
         return None  # there: a run that only reads it needs nothing more
     verb = "written" if existing == path else "created"
     if not os.access(existing, os.W_OK | os.X_OK):
-        why = f"{owner_and_mode(existing)}{_beyond_mode(existing)}"
+        why = f"{owner_and_mode(existing)}{beyond_mode(existing)}"
         return f"{verb} ({existing} is not writable{why})"
     try:  # root passes os.access everywhere: /proc, a root-squashed NFS mount
         with tempfile.TemporaryFile(dir=existing):  # unnamed where the system allows
@@ -159,24 +158,6 @@ def _cannot_create(path: str, write: bool = True) -> str | None:
     except OSError as exc:
         return f"{verb} (nothing can be written in {existing}: {exc.strerror or exc})"
     return None
-
-
-def _beyond_mode(path: str) -> str:
-    """Why a directory whose mode lets this user write is still not writable, as "; ...",
-    else "": root was told "not writable (owner root, mode drwxr-xr-x)" of an immutable
-    directory, a mode that says the opposite."""
-    try:
-        if os.statvfs(path).f_flag & os.ST_RDONLY:
-            return "; its file system is mounted read-only"
-        st = os.stat(path)
-    except OSError:
-        return ""
-    if os.geteuid() != 0 and not (st.st_uid == os.geteuid() and st.st_mode & stat.S_IWUSR):
-        return ""  # the mode says it, as shown
-    return (
-        "; its mode allows writing: an immutable attribute (see lsattr) or a security "
-        "policy stops it"
-    )
 
 
 def _too_long(path: str) -> str | None:

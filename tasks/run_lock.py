@@ -182,7 +182,7 @@ def _held(
 
 def lock_problem(path: Path, exc: OSError, field: str) -> str:
     """Why lock file `path` cannot be opened (`exc`), naming its owner and mode if it exists."""
-    return f"cannot open the lock file {path}{owner_and_mode(path)}: {remedy(exc, field)}"
+    return f"cannot open the lock file {path}{owner_and_mode(path)}: {remedy(exc, field, path)}"
 
 
 def owner_and_mode(path: str | os.PathLike) -> str:
@@ -198,14 +198,37 @@ def owner_and_mode(path: str | os.PathLike) -> str:
     return f" (owner {owner}, mode {stat.filemode(st.st_mode)})"
 
 
-def remedy(exc: OSError, field: str) -> str:
-    """`exc`'s reason, then what to do about a teammate's file this user cannot write."""
+def remedy(exc: OSError, field: str, path: str | os.PathLike | None = None) -> str:
+    """`exc`'s reason, then what to do about a teammate's file this user cannot write
+    (`path`, when given, is that file: its mode may allow writing, and then the mode is
+    not what stops it)."""
     reason = exc.strerror or str(exc)
     if exc.errno not in (errno.EACCES, errno.EPERM):
         return f"{reason}; remove or repair it, or choose another {field}"
+    if path is not None and (beyond := beyond_mode(path)):
+        return f"{reason}{beyond}; lift that, or choose another {field}"
     return (
         f"{reason}; have its owner make it writable for you (a group sharing a storage root "
         f"needs umask 002, or chmod -R g+w), or choose another {field}"
+    )
+
+
+def beyond_mode(path: str | os.PathLike) -> str:
+    """Why a file or directory whose mode lets this user write is still not writable, as
+    "; ...", else "": root was told "not writable (owner root, mode drwxr-xr-x)" of an
+    immutable directory, a mode that says the opposite, and to have the owner of an
+    immutable file make it writable with umask 002."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "; its file system is mounted read-only"
+        st = os.stat(path)
+    except OSError:
+        return ""
+    if os.geteuid() != 0 and not (st.st_uid == os.geteuid() and st.st_mode & stat.S_IWUSR):
+        return ""  # the mode says it, as shown
+    return (
+        "; its mode allows writing: an immutable attribute (see lsattr) or a security "
+        "policy stops it"
     )
 
 

@@ -64,9 +64,8 @@ def check_writable(config: PipelineConfig, plan: RunPlan) -> None:
         if not os.path.lexists(path):
             continue  # not there (yet, or any more: orbax renames and deletes steps)
         denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        raise ConfigError(
-            f"{field}: {path} cannot be written{owner_and_mode(path)}: {remedy(denied, other)}"
-        )
+        why = remedy(denied, other, path)
+        raise ConfigError(f"{field}: {path} cannot be written{owner_and_mode(path)}: {why}")
 
 
 def metrics_field(config: PipelineConfig) -> tuple[str, str]:

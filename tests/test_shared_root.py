@@ -20,7 +20,9 @@ from tests.helpers import REPO, immutable, tiny_config
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, capsys):
+def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(
+    tmp_path, capsys, monkeypatch
+):
     # /tmp/s34/probeB/repros/r1_run_lock_mode.sh, r3_metrics_readonly.sh: a teammate's
     # lock file (mode 0644) passed validate and failed every rerun with a traceback; a
     # metrics file readable but not writable failed at landing, after the whole run.
@@ -34,7 +36,17 @@ def test_a_run_lock_or_metrics_file_this_user_cannot_write_is_refused(tmp_path, 
         assert cli_main(args) == 2
         err = capsys.readouterr().err
         assert f"{lock} cannot be written (owner root, mode -rw-r--r--): " in err, err
-        assert "a group sharing a storage root needs umask 002" in err
+        # Root may write by that mode: the advice is about what else stops it, not the
+        # umask its owner (root itself) had (it was, before).
+        assert "its mode allows writing: an immutable attribute (see lsattr)" in err, err
+        assert "umask" not in err
+        assert err.rstrip().endswith("lift that, or choose another run_name")
+        # Another user, whom the mode does not let write: the umask advice.
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "geteuid", lambda: 4242)
+            assert cli_main(args) == 2
+        err = capsys.readouterr().err
+        assert "a group sharing a storage root needs umask 002" in err, err
         assert err.rstrip().endswith("or choose another run_name")
     assert cli_main(args) == 0
     DuckDBSink(root / "metrics.duckdb").ensure_tables()
@@ -93,7 +105,7 @@ def test_what_a_teammate_left_that_a_run_writes_in_place_is_refused(
         assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert f"{root}/{blocked} cannot be written (owner root, mode " in err, err
-    assert "needs umask 002" in err
+    assert "an immutable attribute (see lsattr) or a security policy stops it; lift" in err
     assert cli_main(args) == 0
 
 
