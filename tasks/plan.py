@@ -177,6 +177,26 @@ def slice_log_path(config: PipelineConfig, plan: RunPlan) -> str:
     return f"{plan.run_dir}/logs/{plan.slice_name}.log"
 
 
+def owned_places(plan: RunPlan) -> list[str]:
+    """What the pipeline writes for its runs, as `workloads.listing.resolve_sources` leaves
+    it out of a dataset's sources: directories (ending in "/") and the DuckDB metrics file.
+
+    Why: with the storage root inside a source directory or prefix (`storage.root:
+    gs://bucket/tpupipe`, `sources: [gs://bucket/]`), a run sharded its own lock object
+    into its dataset, and every rerun was refused, its compile cache and checkpoints now
+    "added" sources.
+    """
+    join = posixpath.join if is_gcs(plan.storage_root) else os.path.join
+    # compile_cache/ also where TPUPIPE_COMPILE_CACHE moves this run's: another's is there.
+    names = ("runs", "datasets", "locks", "compile_cache")
+    under_root = (join(plan.storage_root, name) for name in names)
+    local = (os.path.join(plan.slices_root, name) for name in ("slices", "locks", "logs"))
+    places = [join(path, "") for path in (*under_root, *local, plan.compile_cache_dir)]
+    if not plan.metrics_path.startswith("bigquery:"):
+        places.append(plan.metrics_path)
+    return places
+
+
 def root_tag(plan: RunPlan) -> str:
     """A label value standing for the run's storage root (a hash: a label holds 63
     lowercase characters at most, which a `gs://` URI need not fit)."""

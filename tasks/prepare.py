@@ -15,7 +15,7 @@ from infra.storage import source_storage
 from tasks.access import check_backend_access, check_slice_access
 from tasks.corpus import shard_corpus
 from tasks.local_places import check_local_paths
-from tasks.plan import RunPlan, plan_run, write_workload_config
+from tasks.plan import RunPlan, owned_places, plan_run, write_workload_config
 from tasks.pricing import price_for
 from tasks.remote import check_gcs_places, publish_dataset
 from tasks.rerun import check_resumable, same_records_result
@@ -111,21 +111,22 @@ def check_inputs(
     listed = {} if listed is None else listed
     key = (config.dataset.model_dump_json(), shard_root(plan), remote)
     if key not in listed:
-        listed[key] = _resolve(config.dataset, shard_root(plan), remote)
+        listed[key] = _resolve(config.dataset, shard_root(plan), remote, owned_places(plan))
     files, fingerprint = listed[key]
     if remote or "://" not in plan.run_dir:
         plan = check_resumable(config, plan, fingerprint, files)
     return plan, len(files)
 
 
-def _resolve(dataset, out_root: str, remote: bool) -> tuple[list, str | None]:
+def _resolve(dataset, out_root: str, remote: bool, owned: list[str]) -> tuple[list, str | None]:
     """The source files `check_inputs` sees, and the dataset's fingerprint when every
     source was listed (else None)."""
     sources = [s for s in dataset.sources if remote or "://" not in s]
+    store = source_storage(sources)
     if sources == dataset.sources:  # all of them: the dataset this run would train on
-        _, files, fingerprint = data.resolve_dataset(dataset, out_root, source_storage(sources))
+        _, files, fingerprint = data.resolve_dataset(dataset, out_root, store, owned)
         return files, fingerprint
-    files = data.resolve_sources(sources, source_storage(sources)) if sources else []
+    files = data.resolve_sources(sources, store, out_root, owned) if sources else []
     data.load_tokenizer(dataset.tokenizer)  # a missing tokenizer file fails here, for free
     return files, None
 
@@ -190,7 +191,7 @@ def check_same_records(config: PipelineConfig, plan: RunPlan) -> None:
     if plan.same_records_as is None:
         return
     progress = ArtifactProgress(f"Sharding the sources of run {plan.run_id} to compare them")
-    result = shard_corpus(config.dataset, shard_root(plan), progress=progress)
+    result = shard_corpus(config.dataset, shard_root(plan), progress, owned=owned_places(plan))
     progress.finish()
     same_records_result(plan, result)
 
@@ -208,7 +209,7 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
     A Prefect progress artifact follows the sharding."""
     progress = ArtifactProgress(f"Sharding the dataset for run {plan.run_id}")
     remote = "://" in plan.datasets_root
-    built = shard_corpus(config.dataset, shard_root(plan), progress=progress)
+    built = shard_corpus(config.dataset, shard_root(plan), progress, owned=owned_places(plan))
     progress.finish()
     # A rerun over sources touched since goes on over the dataset it trained on, if the
     # one just sharded holds its records.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +112,7 @@ def shard_dataset(
     progress: Progress | None = None,
     store: SourceStore | None = None,
     unit_bytes: int | None = None,
+    owned: Sequence[str] = (),
 ) -> ShardResult:
     """Build (or find) the sharded dataset for `cfg` under `out_root/<fingerprint>/`.
 
@@ -127,6 +128,7 @@ def shard_dataset(
         store: Lists and opens `gs://` (any `scheme://`) sources.
         unit_bytes: Source bytes per unit of work (default: about 1/32 of the corpus,
             clamped to 1-256 MiB). Never changes the output bytes.
+        owned: What walks of the sources leave out (`listing.resolve_sources`).
 
     Returns:
         The dataset directory, its manifest and whether it was already complete.
@@ -135,7 +137,7 @@ def shard_dataset(
         DatasetError: Bad sources or input, naming the place; too little text for the
             requested shards; or an `out_root` that is not a writable directory.
     """
-    tokenizer, files, fingerprint = resolve_dataset(cfg, out_root, store)
+    tokenizer, files, fingerprint = resolve_dataset(cfg, out_root, store, owned)
     directory = Path(out_root) / fingerprint
     if (cached := _complete(directory, say=False)) is not None:
         return cached
@@ -173,16 +175,20 @@ def shard_dataset(
 
 
 def resolve_dataset(
-    cfg: DatasetConfig, out_root: str | os.PathLike, store: SourceStore | None = None
+    cfg: DatasetConfig,
+    out_root: str | os.PathLike,
+    store: SourceStore | None = None,
+    owned: Sequence[str] = (),
 ) -> tuple[TokenizerSpec, list[SourceFile], str]:
-    """What `shard_dataset(cfg, out_root, store=store)` would shard now, without reading a
-    source: the tokenizer, the source files and the dataset's fingerprint.
+    """What `shard_dataset(cfg, out_root, store=store, owned=owned)` would shard now,
+    without reading a source: the tokenizer, the source files and the dataset's fingerprint.
 
     Raises:
         DatasetError: from listing the sources or loading the tokenizer.
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
-    files = select_by_size(resolve_sources(cfg.sources, store, exclude=out_root), cfg.max_bytes)
+    files = resolve_sources(cfg.sources, store, exclude=out_root, owned=owned)
+    files = select_by_size(files, cfg.max_bytes)
     return tokenizer, files, dataset_fingerprint(files, cfg, tokenizer)
 
 

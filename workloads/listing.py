@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import stat
 import sysconfig
+from collections.abc import Sequence
 
 from workloads.local_glob import (
     DirId,
@@ -51,6 +52,7 @@ def resolve_sources(
     sources: list[str],
     store: SourceStore | None = None,
     exclude: str | os.PathLike | None = None,
+    owned: Sequence[str] = (),
 ) -> list[SourceFile]:
     """Expand source entries into the ordered, de-duplicated files they name.
 
@@ -60,6 +62,12 @@ def resolve_sources(
         exclude: The local datasets directory: directory walks and globs never enter it, so
             shards written inside a source directory are not read back as sources by the
             next run, and it may not be a local source's directory (`check_out_root`).
+        owned: What the pipeline writes besides datasets (`tasks.plan.owned_places`),
+            local paths or URIs: a directory (ending in "/") with everything below it, or
+            a file with the names made beside it (`<file>.wal`, `<file>.<suffix>`). Walks,
+            globs and prefixes leave them out: a storage root inside a source directory
+            or prefix read its own lock, runs and compile cache as corpus. A file an
+            entry names outright is kept.
 
     Returns:
         The files, by entry and then by key.
@@ -79,6 +87,7 @@ def resolve_sources(
     if exclude is not None:
         check_out_root(sources, exclude)
     skip = _dir_id(exclude)
+    places = [place for place in map(_real_place, owned) if place[0]]  # never all of "/"
     found: dict[str, SourceFile] = {}
     for entry in sources:
         if "://" in entry:
@@ -87,9 +96,38 @@ def resolve_sources(
             files = _expand_local(entry, skip)
         if not files:
             raise DatasetError(f"dataset source {entry!r} matches no file")
+        if places and not (files := _not_owned(entry, files, places)):
+            raise DatasetError(
+                f"dataset source {entry!r} matches only files the pipeline writes (its "
+                "storage root's runs, locks, caches or metrics): give the corpus's own files"
+            )
         for real, f in sorted(files, key=lambda rf: rf[1].key):
             found.setdefault(real, f)  # by real path: a file behind two names is read once
     return list(found.values())
+
+
+def _real_place(place: str) -> tuple[str, bool]:
+    """(`place` named as found files are, whether it is a directory): a local place by its
+    real path, as `_expand_local` names files."""
+    directory = place.endswith(("/", os.sep))
+    if "://" not in place:
+        place = os.path.realpath(place)
+    return place.rstrip("/" + os.sep), directory
+
+
+def _not_owned(entry: str, files: list[Located], places: list[tuple[str, bool]]) -> list[Located]:
+    """`files` less those below or beside an owned place (`resolve_sources`), unless the
+    entry names the file itself."""
+    named = entry if "://" in entry else os.path.realpath(entry)
+
+    def owned(real: str) -> bool:
+        for place, directory in places:
+            sep = "/" if "://" in place else os.sep
+            if real == place or real.startswith(place + sep if directory else place + "."):
+                return True
+        return False
+
+    return [(real, f) for real, f in files if real == named or not owned(real)]
 
 
 def _real_uri(uri: str) -> str:

@@ -100,3 +100,31 @@ def test_the_trained_dataset_is_checked_and_repaired_from_shards_built_under_a_n
     with pytest.raises(DatasetError, match=rf"{remote}, which the run trained on, has no"):
         publish_dataset(rebuilt, datasets, config, name=trained)
     assert not gcs.exists(gcs_client, f"{remote}/manifest.json")
+
+
+def test_a_gs_root_under_the_prefix_its_sources_list_is_no_source(
+    gcs_client, bucket, tmp_path, monkeypatch, prefect_harness
+):
+    # probe S: `storage.root: gs://b/tp` with `sources: [gs://b/]` sharded the run's own lock
+    # object into its dataset, and every rerun was refused: its compile cache, run files
+    # and lock were "added" sources (tests/test_root_in_corpus.py: the same, locally).
+    from flows.pipeline import tpu_training_pipeline
+    from workloads.manifest import load_manifest
+
+    monkeypatch.setenv("TPUPIPE_DATASET_CACHE", str(tmp_path / "dataset-cache"))
+    monkeypatch.chdir(tmp_path)
+    for i in range(6):
+        gcs_client.bucket(bucket).blob(f"corpus/{i}.txt").upload_from_string(f"doc {i} " * 90)
+    config = tiny_config(
+        tmp_path,
+        "run_name=nested",
+        f"storage.root=gs://{bucket}/tp",
+        f"dataset.sources=[gs://{bucket}/]",
+        "dataset.eval_fraction=0.3",
+    )
+    assert tpu_training_pipeline(config=config).status == "completed"
+    blob = f"{plan_run(config).run_dir}/config.json".removeprefix(f"gs://{bucket}/")
+    dataset = json.loads(gcs_client.bucket(bucket).blob(blob).download_as_text())["dataset_dir"]
+    manifest = load_manifest(dataset)
+    assert sorted(s["key"] for s in manifest["sources"]) == [f"corpus/{i}.txt" for i in range(6)]
+    assert tpu_training_pipeline(config=config).status == "completed"  # resumed, not refused

@@ -1,0 +1,98 @@
+"""A storage root inside a source directory: the pipeline's own files are no corpus.
+
+`storage.root: corpus/tpupipe` with `sources: [corpus]` (or, on GCS, a root under the
+bucket a source prefix lists) is a natural layout. The run's lock file, written between the
+check before provisioning and sharding, was sharded into its dataset as a document, and
+every rerun was refused: its compile cache, checkpoints and lock were "added" sources.
+Walks, globs and prefixes now leave out what the pipeline writes (`tasks.plan.owned_places`);
+a file a source entry names outright is still read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.plan import owned_places, plan_run
+from tasks.prepare import check_inputs
+from tests.helpers import tiny_config
+from workloads import data
+from workloads.data import DatasetError
+
+
+def corpus_with_root(tmp_path: Path) -> tuple[Path, Path]:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 60)
+    return corpus, corpus / "tp"
+
+
+def test_walks_and_globs_leave_out_what_the_pipeline_writes_but_not_a_file_named(tmp_path):
+    corpus, root = corpus_with_root(tmp_path)
+    plan = plan_run(tiny_config(root, f"dataset.sources=[{corpus}]"))
+    owned = owned_places(plan)
+    # What a run leaves under its root, and the DuckDB file's companions.
+    made = [
+        "locks/tiny.lock",
+        "runs/tiny/events.jsonl",
+        "runs/tiny/checkpoints/5/meta/metadata",
+        "compile_cache/jit_step-abc-cache",
+        "slices/tiny.json",
+        "logs/tiny/host0.log",
+        "metrics.duckdb",
+        "metrics.duckdb.wal",
+        "metrics.duckdb.123-ab.creating",
+    ]
+    for name in made:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("{}")
+    (root / "notes.txt").write_text("a user's own file beside them is corpus")
+    (corpus / "runs.txt").write_text("named like a place, but none of it")
+    corpus_files = sorted([*(f"{i}.txt" for i in range(6)), "runs.txt", "tp/notes.txt"])
+
+    for entry in (str(corpus), f"{corpus}/**/*", f"{corpus}/**", f"{root}/*"):
+        keys = sorted(f.key for f in data.resolve_sources([entry], owned=owned))
+        assert keys == (["notes.txt"] if entry.startswith(str(root)) else corpus_files), entry
+    without = sorted(f.key for f in data.resolve_sources([str(corpus)]))
+    assert len(without) == len(corpus_files) + len(made)  # what the run read before
+
+    # Named outright, a file is read; an entry with nothing but the pipeline's is refused.
+    lock = str(root / "locks" / "tiny.lock")
+    assert [f.uri for f in data.resolve_sources([lock], owned=owned)] == [lock]
+    with pytest.raises(DatasetError, match=r"source '.*/tp/runs' matches only files the pip"):
+        data.resolve_sources([str(root / "runs")], owned=owned)
+
+
+def test_places_name_the_root_the_local_registry_and_the_metrics_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = owned_places(plan_run(tiny_config(tmp_path / "r")))
+    assert {f"{tmp_path}/r/{name}/" for name in ("runs", "locks", "slices", "logs")} <= set(local)
+    assert f"{tmp_path}/r/metrics.duckdb" in local
+    gcs = owned_places(plan_run(tiny_config(tmp_path, "storage.root=gs://bkt/tp")))
+    assert {"gs://bkt/tp/runs/", "gs://bkt/tp/datasets/", "gs://bkt/tp/locks/"} <= set(gcs)
+    assert "gs://bkt/tp/compile_cache/" in gcs
+    bigquery = tiny_config(tmp_path, "metrics.sink=bigquery", "metrics.dataset=d")
+    assert not any(p.startswith("bigquery:") for p in owned_places(plan_run(bigquery)))
+
+
+@pytest.mark.integration
+def test_a_run_whose_root_is_inside_its_corpus_trains_on_the_corpus_and_resumes(
+    tmp_path, prefect_harness
+):
+    from flows.pipeline import tpu_training_pipeline
+
+    corpus, root = corpus_with_root(tmp_path)
+    config = tiny_config(
+        root, "run_name=nested", f"dataset.sources=[{corpus}]", "dataset.eval_fraction=0.3"
+    )
+    assert tpu_training_pipeline(config=config).status == "completed"
+    run_config = json.loads((Path(plan_run(config).run_dir) / "config.json").read_text())
+    manifest = data.load_manifest(run_config["dataset_dir"])
+    assert sorted(s["key"] for s in manifest["sources"]) == [f"{i}.txt" for i in range(6)]
+    # Its lock, runs, compile cache and metrics now exist under the corpus: the same six.
+    plan, count = check_inputs(config, plan_run(config))
+    assert (count, plan.same_records_as) == (6, None)
+    assert tpu_training_pipeline(config=config).status == "completed"  # resumed, not refused
