@@ -168,6 +168,7 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     from workloads.shard_pool import WorkerDied
+    from workloads.splits import lopsided_split
 
     # Imported only when there is work to do. Signals wait for the import: pydantic
     # serializers run in it turn a KeyboardInterrupt or SystemExit into a
@@ -226,6 +227,8 @@ def _run(args: argparse.Namespace) -> int:
         f"eval sequences of {result.manifest['seq_len']} tokens",
         file=sys.stderr,
     )
+    if lopsided := lopsided_split(result.manifest, cfg.eval_fraction):
+        print(f"warning: {lopsided}", file=sys.stderr)
     print(result.dataset_dir)
     return 0
 

@@ -27,6 +27,7 @@ from workloads.config_memory import eval_memory_problem, host_memory_bytes, memo
 from workloads.data import DatasetError
 from workloads.dataset_cache import cache_root
 from workloads.sources import DatasetWriteError
+from workloads.splits import lopsided_split
 
 __all__ = [
     "ArtifactProgress",
@@ -231,4 +232,6 @@ def shard_dataset(config: PipelineConfig, plan: RunPlan) -> str:
         splits["train"]["records"],
         splits["eval"]["records"],
     )
+    if lopsided := lopsided_split(result.manifest, config.dataset.eval_fraction):
+        get_run_logger().warning("dataset %s: %s", result.dataset_dir, lopsided)
     return write_workload_config(config, plan, result.dataset_dir)

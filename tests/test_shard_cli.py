@@ -28,6 +28,29 @@ def test_shard_command_writes_then_finds_the_dataset(tmp_path, capsys):
     assert out.strip() == dataset_dir and "dataset found (cached)" in err
 
 
+def test_an_eval_split_far_larger_than_eval_fraction_is_warned_of(tmp_path, capsys):
+    # probe T: tiny.yaml's stdlib sample at eval_fraction 0.05 put 70% of its sequences in
+    # eval (one large file's hash fell below it), and nothing said so.
+    from workloads.packing import in_eval
+
+    names = [f"doc{i}.txt" for i in range(200)]
+    held_out = next(n for n in names if in_eval(n, 0.05))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in [n for n in names if not in_eval(n, 0.05)][:9]:
+        (corpus / name).write_text(f"{name} " * 40)
+    (corpus / held_out).write_text("the one large document " * 400)
+    argv = ["shard", "--source", str(corpus), "--seq-len", "16", "--eval-fraction", "0.05"]
+    assert main([*argv, "--out", str(tmp_path / "ds")]) == 0
+    err = capsys.readouterr().err
+    said = re.search(r"warning: the eval split holds (\d+)% of the dataset's tokens", err)
+    assert said and int(said[1]) > 60, err
+    assert "dataset.eval_fraction = 0.05" in err and "1 of its 10 document(s)" in err
+    (corpus / held_out).write_text("a smaller document " * 4)
+    assert main([*argv, "--out", str(tmp_path / "ds2")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_shard_command_imports_neither_prefect_nor_jax(tmp_path):
     # Their imports (0.6-0.8 s each) had made `tpupipe shard` of the 31 MB stdlib corpus
     # with two workers take 3.0 s end to end, against 0.75 s without them.
