@@ -303,9 +303,13 @@ def _ended(
     if code == 0:
         return TrainOutcome(name, 0, final.get("step"), seconds)
     if code == PREEMPTED_EXIT:
-        raise WorkloadPreempted(
-            f"workload on {name} saved step {final.get('step')} and exited", announced=True
-        )
+        step = final.get("step")
+        if final.get("saved") is False:  # the notice came in start-up: nothing new to save
+            newest = f"its newest checkpoint is step {step}" if step else "no checkpoint yet"
+            did = f"stopped at the notice before its first step ({newest})"
+        else:
+            did = f"saved step {step}"
+        raise WorkloadPreempted(f"workload on {name} {did} and exited", announced=True)
     if code == SUPERSEDED_EXIT:
         raise WorkloadFailed(
             f"workload on slice {name} stopped without writing: a newer attempt took the run "

@@ -304,11 +304,21 @@ def test_an_earlier_attempts_heartbeat_is_not_logged_as_this_ones_progress():
 def test_a_sigterm_is_a_notice_even_before_the_workload_could_save():
     # Killed by a SIGTERM that came before its handler was installed, attempts counted as
     # stalled ("lost without a preemption notice") and failed the run after 3.
-    from tasks.watch import _ended
+    from tasks.watch import PREEMPTED_EXIT, _ended
 
     with pytest.raises(WorkloadPreempted) as term:
         _ended("s", -15, {}, 1.0)
     assert term.value.announced and str(term.value).endswith("before its first step")
+    # Noticed in start-up, after restoring step 7: it saved nothing (probe T read 'saved
+    # step 7 and exited', in the attempt's reason and the report).
+    with pytest.raises(WorkloadPreempted) as early:
+        _ended("s", PREEMPTED_EXIT, {"step": 7, "saved": False}, 1.0)
+    said = "workload on s stopped at the notice before its first step (its newest checkpoint"
+    assert str(early.value).startswith(said) and "step 7" in str(early.value)
+    with pytest.raises(WorkloadPreempted, match=r"before its first step \(no checkpoint yet\)"):
+        _ended("s", PREEMPTED_EXIT, {"step": 0, "saved": False}, 1.0)
+    with pytest.raises(WorkloadPreempted, match=r"^workload on s saved step 9 and exited$"):
+        _ended("s", PREEMPTED_EXIT, {"step": 9}, 1.0)
     with pytest.raises(WorkloadPreempted) as kill:
         _ended("s", -9, {"step": 7}, 1.0, host=1)
     assert not kill.value.announced and "(signal 9, host 1) at step 7" in str(kill.value)

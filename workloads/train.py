@@ -162,7 +162,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
     loss, beat_s = None, heartbeat_interval(cfg.slice)
     # Noticed during start-up: nothing new to save. (A finished run just says so below.)
     if notice.received and start < total:
-        report.status("preempted", step=start, last_checkpoint=start or None)
+        report.status("preempted", step=start, last_checkpoint=start or None, saved=False)
         return PREEMPTED_EXIT
     report.status("compiling", step=start, last_checkpoint=start or None, peak=peak.source)
     with _saves_land_if_training_fails(mngr):
