@@ -266,16 +266,18 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
         # Told apart: such a file may hold the bytes it held (touched, copied, restored).
         ("modified, same size", [u for u in kept if now[u][0] == before[u][0]]),
     ]
-    if any(uris for _, uris in found[:3]):  # refused for those: these were not compared
-        found[3] = ("rewritten, same size (perhaps the same bytes)", found[3][1])
+    reordered = before.keys() == now.keys() and list(before) != list(now)
+    if any(uris for _, uris in found[:3]) or reordered:  # refused for those: these were
+        found[3] = ("rewritten, same size (perhaps the same bytes)", found[3][1])  # not compared
     said = [
         f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
     ]
-    if not said and list(before) != list(now):  # the same files, listed in another order
-        return (
+    if reordered:  # said first, also beside files uploaded again (probe S: only those were)
+        order = (
             "the same source files in another order (the order of dataset.sources, and of "
             "the files each gives, is the order of the records); list them as before"
         )
+        return "; ".join([order, *said])
     version = manifest.get("format_version")
     if not said and isinstance(version, int) and version < SAME_RECORDS_SINCE:
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -350,6 +351,17 @@ def test_the_same_sources_in_another_order_are_refused_saying_so(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"\(the same source files in another order \("):
         check_inputs(swapped, plan_run(swapped))
+    # A file rewritten with its own bytes besides: the order is still what is said, first,
+    # and the file is not called modified (probe S blamed it alone).
+    touched = corpus / "2.txt"
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ConfigError) as err:
+        check_inputs(swapped, plan_run(swapped))
+    said = str(err.value)
+    assert "(the same source files in another order (" in said, said
+    assert f"; rewritten, same size (perhaps the same bytes): {touched}" in said, said
+    assert "modified, same size" not in said
 
 
 def test_a_run_built_with_its_tokenizers_truncation_says_so_after_the_upgrade(
