@@ -126,8 +126,7 @@ def create_table(
     if problems := _refusals(existing, model):
         raise SchemaError(
             f"{table_id}: {'; '.join(problems)}: landing would fail after the whole training "
-            "run; change them (ALTER TABLE ... ALTER COLUMN ... DROP NOT NULL, SET OPTIONS), "
-            "or land into another metrics.dataset"
+            "run; change the table so, or land into another metrics.dataset"
         )
     # By lower-case name: BigQuery's column names ignore case, so `Eval_Loss` is the
     # model's `eval_loss` (looked up as spelled, its type went unchecked, and a FLOAT64
@@ -145,18 +144,27 @@ def _refusals(table: bigquery.Table, model: type[TableRow]) -> list[str]:
     problems = []
     for field in table.schema:
         name = field.name.lower()
+        # Each with its fix: one fixed hint named SET OPTIONS for a column's default too.
+        drop = f"(ALTER TABLE ... ALTER COLUMN {field.name} DROP NOT NULL"
         if field.mode == "REPEATED" and name in nullable:
-            problems.append(f"column {field.name} is REPEATED (an ARRAY), and rows land one value")
+            problems.append(
+                f"column {field.name} is REPEATED (an ARRAY), and rows land one value (no "
+                "ALTER makes it a single value: drop it, or copy the table without it)"
+            )
         elif field.mode == "REQUIRED" and nullable.get(name, False):
-            problems.append(f"column {field.name} is REQUIRED, and rows may leave it empty")
+            problems.append(f"column {field.name} is REQUIRED, and rows may leave it empty {drop})")
         elif (
             field.mode == "REQUIRED" and name not in nullable and not field.default_value_expression
         ):
             problems.append(
-                f"column {field.name} is REQUIRED with no default, and rows do not set it"
+                f"column {field.name} is REQUIRED with no default, and rows do not set it "
+                f"{drop}, or ALTER COLUMN {field.name} SET DEFAULT ...)"
             )
     if table.require_partition_filter:
-        problems.append("it requires a partition filter, which landing's MERGE does not give")
+        problems.append(
+            "it requires a partition filter, which landing's MERGE does not give (ALTER TABLE "
+            "... SET OPTIONS (require_partition_filter = false))"
+        )
     return problems
 
 

@@ -402,5 +402,14 @@ def test_a_required_column_with_a_default_or_a_partition_filter_as_bigquery_repo
     team = ("team", "STRING", {"mode": "REQUIRED", "default_value_expression": "'ml'"})
     assert _refusals(table(team), RunRow) == []
     assert _refusals(table(team, requirePartitionFilter=True), RunRow) == [
-        "it requires a partition filter, which landing's MERGE does not give"
+        "it requires a partition filter, which landing's MERGE does not give (ALTER TABLE "
+        "... SET OPTIONS (require_partition_filter = false))"
     ]
+    # Each refusal says its own fix (one hint named SET OPTIONS for them all: probe S).
+    note = ("note", "STRING", {"mode": "REQUIRED"})
+    (said,) = _refusals(table(note), RunRow)
+    assert said.endswith(
+        "(ALTER TABLE ... ALTER COLUMN note DROP NOT NULL, or ALTER COLUMN note SET DEFAULT ...)"
+    ), said
+    (said,) = _refusals(table(("error", "STRING", {"mode": "REQUIRED"})), RunRow)
+    assert said.endswith("may leave it empty (ALTER TABLE ... ALTER COLUMN error DROP NOT NULL)")
