@@ -62,7 +62,7 @@ def test_walks_and_globs_leave_out_what_the_pipeline_writes_but_not_a_file_named
     # Named outright, a file is read; an entry with nothing but the pipeline's is refused.
     lock = str(root / "locks" / "tiny.lock")
     assert [f.uri for f in data.resolve_sources([lock], owned=owned)] == [lock]
-    with pytest.raises(DatasetError, match=r"source '.*/tp/runs' matches only files the pip"):
+    with pytest.raises(DatasetError, match=r"source '.*/tp/runs' lies among what the pipeline"):
         data.resolve_sources([str(root / "runs")], owned=owned)
 
 

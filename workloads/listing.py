@@ -98,8 +98,10 @@ def resolve_sources(
             raise DatasetError(f"dataset source {entry!r} matches no file")
         if places and not (files := _not_owned(entry, files, places)):
             raise DatasetError(
-                f"dataset source {entry!r} matches only files the pipeline writes (its "
-                "storage root's runs, locks, caches or metrics): give the corpus's own files"
+                f"dataset source {entry!r} lies among what the pipeline writes beneath its "
+                "storage root (runs/, datasets/, locks/, compile_cache/, slices/, logs/, the "
+                "metrics file), which no run reads as corpus: move the corpus elsewhere, or "
+                "choose another storage.root"
             )
         for real, f in sorted(files, key=lambda rf: rf[1].key):
             found.setdefault(real, f)  # by real path: a file behind two names is read once
