@@ -6,7 +6,7 @@ against 0.2-0.3 s for sharding the 31 MB stdlib corpus with two workers).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from infra.storage import source_storage
@@ -19,7 +19,7 @@ def shard_corpus(
     out_root: str | os.PathLike,
     progress: data.Progress | None = None,
     gcs_client: Callable[[], Any] | None = None,
-    owned: Sequence[str] = (),
+    owned: Mapping[str, str] | None = None,
 ) -> data.ShardResult:
     """Shard (or find) the dataset, reading `gs://` sources through `infra.storage`.
 

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from etils import epath
 from pydantic import BaseModel, Field
 
+from infra.slices import registry_dir
 from workloads.config import PipelineConfig, WorkloadConfig
 from workloads.config_file import ConfigError
 from workloads.events import EventLog
@@ -177,24 +178,32 @@ def slice_log_path(config: PipelineConfig, plan: RunPlan) -> str:
     return f"{plan.run_dir}/logs/{plan.slice_name}.log"
 
 
-def owned_places(plan: RunPlan) -> list[str]:
-    """What the pipeline writes for its runs, as `workloads.listing.resolve_sources` leaves
-    it out of a dataset's sources: directories (ending in "/") and the DuckDB metrics file.
+def owned_places(plan: RunPlan) -> dict[str, str]:
+    """What the pipeline writes for its runs, each with the setting that places it, as
+    `workloads.listing.resolve_sources` leaves it out of a dataset's sources: directories
+    (ending in "/") and the DuckDB metrics file with the files DuckDB makes beside it.
 
     Why: with the storage root inside a source directory or prefix (`storage.root:
     gs://bucket/tpupipe`, `sources: [gs://bucket/]`), a run sharded its own lock object
     into its dataset, and every rerun was refused, its compile cache and checkpoints now
-    "added" sources.
+    "added" sources. Only what a run writes: a user's own `notes.txt` beside the metrics
+    file, or a `logs/` under a local root (a run's logs are in its run directory), is corpus.
     """
-    join = posixpath.join if is_gcs(plan.storage_root) else os.path.join
+    gcs = is_gcs(plan.storage_root)
+    join = posixpath.join if gcs else os.path.join
     # compile_cache/ also where TPUPIPE_COMPILE_CACHE moves this run's: another's is there.
-    names = ("runs", "datasets", "locks", "compile_cache")
-    under_root = (join(plan.storage_root, name) for name in names)
-    local = (os.path.join(plan.slices_root, name) for name in ("slices", "locks", "logs"))
-    places = [join(path, "") for path in (*under_root, *local, plan.compile_cache_dir)]
+    names = ["runs", "datasets", "locks", "compile_cache"]
+    owned = {join(plan.storage_root, name, ""): "storage.root" for name in names}
+    if not gcs:  # a gs:// root's local registry is in ./.tpupipe, which walks skip (hidden)
+        owned[os.path.join(registry_dir(plan.slices_root), "")] = "storage.root"
+    owned.setdefault(join(plan.compile_cache_dir, ""), COMPILE_CACHE_ENV)
     if not plan.metrics_path.startswith("bigquery:"):
-        places.append(plan.metrics_path)
-    return places
+        default = plan.metrics_path == os.path.join(plan.slices_root, "metrics.duckdb")
+        setting = "storage.root" if default else "metrics.path"
+        for beside in ("", ".wal"):
+            owned[plan.metrics_path + beside] = setting
+        owned[plan.metrics_path + ".tmp/"] = setting  # DuckDB's spill directory
+    return owned
 
 
 def root_tag(plan: RunPlan) -> str:

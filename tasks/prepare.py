@@ -119,7 +119,7 @@ def check_inputs(
     return plan, len(files)
 
 
-def _resolve(dataset, out_root: str, remote: bool, owned: list[str]) -> tuple[list, str | None]:
+def _resolve(dataset, out_root: str, remote: bool, owned: dict) -> tuple[list, str | None]:
     """The source files `check_inputs` sees, and the dataset's fingerprint when every
     source was listed (else None)."""
     sources = [s for s in dataset.sources if remote or "://" not in s]

@@ -41,36 +41,79 @@ def test_walks_and_globs_leave_out_what_the_pipeline_writes_but_not_a_file_named
         "runs/tiny/checkpoints/5/meta/metadata",
         "compile_cache/jit_step-abc-cache",
         "slices/tiny.json",
-        "logs/tiny/host0.log",
         "metrics.duckdb",
         "metrics.duckdb.wal",
-        "metrics.duckdb.123-ab.creating",
+        "metrics.duckdb.tmp/spill",
     ]
     for name in made:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("{}")
-    (root / "notes.txt").write_text("a user's own file beside them is corpus")
-    (corpus / "runs.txt").write_text("named like a place, but none of it")
-    corpus_files = sorted([*(f"{i}.txt" for i in range(6)), "runs.txt", "tp/notes.txt"])
+    # Beside them, a user's own files, named like them: corpus (probe U: a local root's
+    # logs/ and `<metrics file>.*` were left out, silently).
+    mine = ["tp/notes.txt", "tp/metrics.duckdb.md", "tp/logs/server.log", "runs.txt"]
+    for name in mine:
+        (corpus / name).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / name).write_text("a user's own text")
+    corpus_files = sorted([*(f"{i}.txt" for i in range(6)), *mine])
 
-    for entry in (str(corpus), f"{corpus}/**/*", f"{corpus}/**", f"{root}/*"):
+    for entry in (str(corpus), f"{corpus}/**/*", f"{corpus}/**"):
         keys = sorted(f.key for f in data.resolve_sources([entry], owned=owned))
-        assert keys == (["notes.txt"] if entry.startswith(str(root)) else corpus_files), entry
+        assert keys == corpus_files, entry
     without = sorted(f.key for f in data.resolve_sources([str(corpus)]))
     assert len(without) == len(corpus_files) + len(made)  # what the run read before
 
-    # Named outright, a file is read; an entry with nothing but the pipeline's is refused.
+    # Named outright, a file is read; an entry inside a place the pipeline writes is refused,
+    # naming the place and the setting that puts it there.
     lock = str(root / "locks" / "tiny.lock")
     assert [f.uri for f in data.resolve_sources([lock], owned=owned)] == [lock]
-    with pytest.raises(DatasetError, match=r"source '.*/tp/runs' lies among what the pipeline"):
+    with pytest.raises(DatasetError) as err:
         data.resolve_sources([str(root / "runs")], owned=owned)
+    said = f"dataset source '{root}/runs' lies in {root}/runs, which the pipeline writes (placed "
+    assert str(err.value).startswith(said + "by storage.root)"), err.value
+    assert str(err.value).endswith("move the corpus elsewhere, or change storage.root")
+
+
+def test_a_shared_compile_cache_in_the_corpus_is_no_corpus_with_or_without_its_variable(
+    tmp_path, monkeypatch
+):
+    # probe U: TPUPIPE_COMPILE_CACHE inside the corpus was left out only while it was set;
+    # a rerun from a shell without it read the cache's entries as "added" sources, and a
+    # source inside it was blamed on storage.root.
+    corpus, root = corpus_with_root(tmp_path)
+    cache = corpus / "cc"
+    cache.mkdir()
+    for suffix in ("cache", "atime"):
+        (cache / f"jit__identity_fn-{'0a' * 32}-{suffix}").write_bytes(b"\x00\xff binary")
+    (cache / ".lockfile").write_text("")
+    monkeypatch.setenv("TPUPIPE_COMPILE_CACHE", str(cache))
+    config = tiny_config(root, f"dataset.sources=[{corpus}]")
+    assert owned_places(plan_run(config))[f"{cache}/"] == "TPUPIPE_COMPILE_CACHE"
+    for owned in (owned_places(plan_run(config)), None):
+        files = data.resolve_sources([str(corpus)], owned=owned)
+        assert sorted(f.key for f in files) == [f"{i}.txt" for i in range(6)]
+    (cache / "corpus").mkdir()
+    (cache / "corpus" / "a.txt").write_text("text kept where the cache is")
+    with pytest.raises(DatasetError, match=r"placed by TPUPIPE_COMPILE_CACHE\) .* change TPUPIPE"):
+        data.resolve_sources([str(cache / "corpus")], owned=owned_places(plan_run(config)))
+
+
+def test_a_metrics_path_names_its_own_file_not_others_beginning_alike(tmp_path):
+    corpus, root = corpus_with_root(tmp_path)
+    for name in ("notes", "notes.txt", "notes.duckdb.bak", "notes.wal"):
+        (corpus / name).write_text("the user's")
+    config = tiny_config(root, f"dataset.sources=[{corpus}]", f"metrics.path={corpus}/notes")
+    owned = owned_places(plan_run(config))
+    assert owned[f"{corpus}/notes"] == "metrics.path"
+    keys = sorted(f.key for f in data.resolve_sources([str(corpus)], owned=owned))
+    assert keys == sorted([*(f"{i}.txt" for i in range(6)), "notes.txt", "notes.duckdb.bak"])
 
 
 def test_places_name_the_root_the_local_registry_and_the_metrics_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     local = owned_places(plan_run(tiny_config(tmp_path / "r")))
-    assert {f"{tmp_path}/r/{name}/" for name in ("runs", "locks", "slices", "logs")} <= set(local)
-    assert f"{tmp_path}/r/metrics.duckdb" in local
+    assert {f"{tmp_path}/r/{name}/" for name in ("runs", "locks", "slices")} <= set(local)
+    assert f"{tmp_path}/r/logs/" not in local  # a local root's logs are in its run directories
+    assert local[f"{tmp_path}/r/metrics.duckdb"] == "storage.root"
     gcs = owned_places(plan_run(tiny_config(tmp_path, "storage.root=gs://bkt/tp")))
     assert {"gs://bkt/tp/runs/", "gs://bkt/tp/datasets/", "gs://bkt/tp/locks/"} <= set(gcs)
     assert "gs://bkt/tp/compile_cache/" in gcs

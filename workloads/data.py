@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +112,7 @@ def shard_dataset(
     progress: Progress | None = None,
     store: SourceStore | None = None,
     unit_bytes: int | None = None,
-    owned: Sequence[str] = (),
+    owned: Mapping[str, str] | None = None,
 ) -> ShardResult:
     """Build (or find) the sharded dataset for `cfg` under `out_root/<fingerprint>/`.
 
@@ -178,7 +178,7 @@ def resolve_dataset(
     cfg: DatasetConfig,
     out_root: str | os.PathLike,
     store: SourceStore | None = None,
-    owned: Sequence[str] = (),
+    owned: Mapping[str, str] | None = None,
 ) -> tuple[TokenizerSpec, list[SourceFile], str]:
     """What `shard_dataset(cfg, out_root, store=store, owned=owned)` would shard now,
     without reading a source: the tokenizer, the source files and the dataset's fingerprint.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from workloads.local_glob import (
     DirId,
@@ -38,7 +38,9 @@ from workloads.local_glob import (
     target_mode,
 )
 from workloads.manifest import MANIFEST
-from workloads.outdir import is_dataset_dir
+from workloads.outdir import is_compile_cache, is_dataset_dir
+from workloads.owned import left_out
+from workloads.owned import places as owned_places
 from workloads.sources import DatasetError, SourceFile, SourceStore
 from workloads.uri_listing import WILDCARDS, expand_uri
 
@@ -52,7 +54,7 @@ def resolve_sources(
     sources: list[str],
     store: SourceStore | None = None,
     exclude: str | os.PathLike | None = None,
-    owned: Sequence[str] = (),
+    owned: Mapping[str, str] | None = None,
 ) -> list[SourceFile]:
     """Expand source entries into the ordered, de-duplicated files they name.
 
@@ -63,11 +65,9 @@ def resolve_sources(
             shards written inside a source directory are not read back as sources by the
             next run, and it may not be a local source's directory (`check_out_root`).
         owned: What the pipeline writes besides datasets (`tasks.plan.owned_places`),
-            local paths or URIs: a directory (ending in "/") with everything below it, or
-            a file with the names made beside it (`<file>.wal`, `<file>.<suffix>`). Walks,
-            globs and prefixes leave them out: a storage root inside a source directory
-            or prefix read its own lock, runs and compile cache as corpus. A file an
-            entry names outright is kept.
+            local paths or URIs, each with the setting that places it: a directory (ending
+            in "/") with everything below it, or one file. Walks, globs and prefixes leave
+            them out (`workloads.owned`); a file an entry names outright is kept.
 
     Returns:
         The files, by entry and then by key.
@@ -87,7 +87,7 @@ def resolve_sources(
     if exclude is not None:
         check_out_root(sources, exclude)
     skip = _dir_id(exclude)
-    places = [place for place in map(_real_place, owned) if place[0]]  # never all of "/"
+    places = owned_places(owned)
     found: dict[str, SourceFile] = {}
     for entry in sources:
         if "://" in entry:
@@ -96,40 +96,11 @@ def resolve_sources(
             files = _expand_local(entry, skip)
         if not files:
             raise DatasetError(f"dataset source {entry!r} matches no file")
-        if places and not (files := _not_owned(entry, files, places)):
-            raise DatasetError(
-                f"dataset source {entry!r} lies among what the pipeline writes beneath its "
-                "storage root (runs/, datasets/, locks/, compile_cache/, slices/, logs/, the "
-                "metrics file), which no run reads as corpus: move the corpus elsewhere, or "
-                "choose another storage.root"
-            )
+        if places:
+            files = left_out(entry, files, places)
         for real, f in sorted(files, key=lambda rf: rf[1].key):
             found.setdefault(real, f)  # by real path: a file behind two names is read once
     return list(found.values())
-
-
-def _real_place(place: str) -> tuple[str, bool]:
-    """(`place` named as found files are, whether it is a directory): a local place by its
-    real path, as `_expand_local` names files."""
-    directory = place.endswith(("/", os.sep))
-    if "://" not in place:
-        place = os.path.realpath(place)
-    return place.rstrip("/" + os.sep), directory
-
-
-def _not_owned(entry: str, files: list[Located], places: list[tuple[str, bool]]) -> list[Located]:
-    """`files` less those below or beside an owned place (`resolve_sources`), unless the
-    entry names the file itself."""
-    named = entry if "://" in entry else os.path.realpath(entry)
-
-    def owned(real: str) -> bool:
-        for place, directory in places:
-            sep = "/" if "://" in place else os.sep
-            if real == place or real.startswith(place + sep if directory else place + "."):
-                return True
-        return False
-
-    return [(real, f) for real, f in files if real == named or not owned(real)]
 
 
 def _real_uri(uri: str) -> str:
@@ -246,7 +217,8 @@ def _walk(
     while pending:
         directory = pending.pop()
         entries = scan(directory)
-        if is_dataset_dir(directory, {e.name for e in entries}):
+        listed = {e.name for e in entries}
+        if is_dataset_dir(directory, listed) or is_compile_cache(listed):
             continue  # e.g. a datasets directory an earlier run left in the corpus
         for e in entries:
             if e.name.startswith("."):  # .git, .DS_Store, editors' swap files: not corpus

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,6 +100,18 @@ def _unwritable(directory: Path, exc: OSError) -> str:
     if os.path.lexists(lock := directory / LOCK) and os.access(directory, os.W_OK | os.X_OK):
         return f"cannot open {lock}, the dataset directory's lock: {exc.strerror or exc}"
     return f"cannot write the dataset directory {directory}: {exc.strerror or exc}"
+
+
+# A JAX compilation cache entry, and the `-atime` file an LRU-bounded cache gives each.
+_CACHE_ENTRY = re.compile(r".+-[0-9a-f]{64}-(cache|atime)")
+
+
+def is_compile_cache(names: set[str]) -> bool:
+    """Whether a directory holding entries `names` is a JAX compilation cache (its entries
+    are named `<program>-<64 hex digits>-cache`). Walks never enter one: a shared cache
+    (TPUPIPE_COMPILE_CACHE) inside a source directory was read as corpus whenever the
+    variable was not set, failing on its binary entries."""
+    return any(_CACHE_ENTRY.fullmatch(name) for name in names)
 
 
 def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:
