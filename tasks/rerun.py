@@ -137,7 +137,8 @@ def same_records_result(plan: RunPlan, result: ShardResult, say: bool = True) ->
         raise ConfigError(_other_data(plan, trained, name, why))
     if say:
         log.info(
-            "run %s: its sources' modification times changed, not their content (dataset %s "
+            "run %s: its sources' modification times changed (or the paths naming them), not "
+            "their content (dataset %s "
             "has the same shards): it goes on over %s",
             plan.run_name,
             result.dataset_dir,

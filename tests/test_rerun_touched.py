@@ -58,6 +58,30 @@ def test_a_touched_source_resumes_over_the_dataset_the_run_trained_on(tmp_path):
     assert result.manifest == data.load_manifest(before)
 
 
+def test_the_same_directory_named_through_a_symlink_resumes_over_the_trained_dataset(tmp_path):
+    # probe U: the fingerprint covers the paths as given, and the rerun was refused as
+    # "other data", every file "added" and "removed".
+    corpus, cfg = six_document_run(tmp_path)
+    before = trained(cfg)
+    (tmp_path / "link").symlink_to(corpus)
+    linked = cfg.model_copy(
+        update={"dataset": cfg.dataset.model_copy(update={"sources": [str(tmp_path / "link")]})}
+    )
+    plan, _ = check_inputs(linked, plan_run(linked))
+    assert plan.same_records_as == before
+    new = data.shard_dataset(linked.dataset, plan.datasets_root)
+    assert (same_records_result(plan, new).dataset_dir, new.dataset_dir != before) == (before, True)
+    # The link moved to other files of the same names and sizes: other files, refused.
+    other = tmp_path / "other"
+    other.mkdir()
+    for path in corpus.iterdir():
+        (other / path.name).write_text(path.read_text().replace("document", "documenX"))
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to(other)
+    with pytest.raises(ConfigError, match=r"other data|removed: .*corpus/0\.txt"):
+        check_inputs(linked, plan_run(linked))
+
+
 def test_a_source_edited_to_the_same_size_is_refused_once_sharded(tmp_path):
     corpus, cfg = six_document_run(tmp_path)
     before = trained(cfg)

@@ -85,17 +85,24 @@ def times_only(dataset_dir: str | os.PathLike, cfg: DatasetConfig, files: list[S
     from what `cfg` over `files` gives now only by its sources' versions (modification times, GCS
     generations): the same files by name and size, the same tokenizer and options. A
     `touch`, a copy or a checkout that keeps every byte, or one that edits a file but not
-    its size: only the new dataset's shards tell which (`same_shards`). False when the
-    manifest cannot be read.
+    its size: only the new dataset's shards tell which (`same_shards`). Local files are
+    compared by real path: the same directory named through a symlink is the same files
+    (the fingerprint covers the paths as given, and such a rerun was refused, each file
+    "added" and "removed"). False when the manifest cannot be read.
     """
     stored = _stored_fields(dataset_dir)
     if stored is None or stored[0] != FORMAT_VERSION:
         return False  # another format's shards differ whatever the sources hold
 
     def unversioned(fields: dict) -> dict:
-        return {**fields, "sources": [source[:3] for source in fields["sources"]]}
+        sources = [[_real(uri), *rest] for uri, *rest in fields["sources"]]
+        return {**fields, "sources": [source[:3] for source in sources]}
 
     return unversioned(stored[1]) == unversioned(_fields_now(cfg, files))
+
+
+def _real(uri: object) -> object:
+    return os.path.realpath(uri) if isinstance(uri, str) and "://" not in uri else uri
 
 
 def _stored_fields(dataset_dir: str | os.PathLike) -> tuple[int, dict] | None:

@@ -172,7 +172,8 @@ def lopsided_split(manifest: dict, eval_fraction: float) -> str | None:
     return (
         f"the eval split holds {share:.0%} of the dataset's tokens ({splits['eval']['records']} "
         f"eval / {splits['train']['records']} train sequences) at dataset.eval_fraction = "
-        f"{eval_fraction:g}: documents go to eval whole, by a hash of their key, and "
+        f"{eval_fraction:g}: documents go to eval whole (by a hash of their key, or the "
+        "last one when no key falls below the fraction), and "
         f"{splits['eval']['documents']} of its {documents} document(s) hold that much. For a "
         "split nearer the fraction, give more documents (a larger dataset.max_bytes, or "
         "files read as a document per line or JSONL record)"
