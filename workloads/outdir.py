@@ -111,7 +111,8 @@ def is_compile_cache(names: set[str]) -> bool:
     are named `<program>-<64 hex digits>-cache`). Walks never enter one: a shared cache
     (TPUPIPE_COMPILE_CACHE) inside a source directory was read as corpus whenever the
     variable was not set, failing on its binary entries."""
-    return any(_CACHE_ENTRY.fullmatch(name) for name in names)
+    # endswith first: a walk asks this of every directory, the stdlib's 8,000 names too.
+    return any(name.endswith("-cache") and _CACHE_ENTRY.fullmatch(name) for name in names)
 
 
 def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:
