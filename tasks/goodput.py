@@ -9,8 +9,9 @@ is split into buckets (the vocabulary of ml-goodput-measurement's badput categor
 - startup: ready → the first step done (process start, compile), less the restore;
 - restore: reading the checkpoint the attempt resumed from;
 - productive: first step → the last checkpoint the run went on from (one that a later
-  attempt, of this invocation or a rerun, restored), or the finish (unless a rerun
-  quarantined the final checkpoint and resumed from before it);
+  attempt, of this invocation or a rerun, restored; for the run's last attempt, also the
+  step a notice stopped it at, which its workload saved before exiting), or the finish
+  (unless a rerun quarantined the final checkpoint and resumed from before it);
 - lost: that checkpoint → the attempt's end (work done again by a later attempt);
 - teardown: the attempt's end → its slice deleted; after a finished run from its last step,
   and after a preemption notice from the step the workload saved on it (its save and exit),
@@ -233,6 +234,13 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             # its first step (or restored the final step and had no step to take).
             saved = _saved_steps(evs)
             later = {step for step in resumes[i + 1 :] if step in saved}
+            stopped = _last(evs, "preempted", "step")
+            if i == len(attempts) - 1 and stopped in saved:
+                # The run's last attempt, stopped by a notice (a SIGTERM to the run or a
+                # sweep, a platform preemption on the last retry): its workload committed
+                # that step before it exited, and a rerun resumes there, so its steps so far
+                # are kept, not lost (they read lost, goodput 0, until a rerun restored it).
+                later.add(stopped)
             line.kept_step = max(later, default=None)
             keep_until = None if line.kept_step is None else saved[line.kept_step]
             finished = _kept_finish(evs, resumes[i + 1 :])
@@ -243,7 +251,6 @@ def attempt_timelines(events: list[dict]) -> list[AttemptTimeline]:
             # After the final step, or the step a preemption notice stopped the attempt at,
             # nothing is trained again: the save, the workload's exit and the orchestrator
             # noticing it hold the slice for nothing, like its deletion.
-            stopped = _last(evs, "preempted", "step")
             ended_kept = stopped is not None and stopped == line.kept_step
             after = "teardown" if finished is not None or ended_kept else "lost"
             line.segments.append(Segment(after, kept_end, end))

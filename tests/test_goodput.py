@@ -135,6 +135,33 @@ def test_a_preemption_notice_s_save_and_exit_is_teardown_not_lost():
     assert noticed.seconds["teardown"] == killed.seconds["teardown"] + (16 - 14)
 
 
+def test_a_run_stopped_by_a_notice_keeps_the_steps_its_last_attempt_saved():
+    # probe V: a run SIGTERMed at step 101 saved it and exited; until a rerun restored it,
+    # its report and row said goodput 0, every second of training lost, 0 tokens trained.
+    events = [
+        {"time": 0, "attempt": 1, "event": "provision_requested"},
+        {"time": 2, "attempt": 1, "event": "provision_ready"},
+        {"time": 5, "attempt": 1, "event": "first_step", "step": 1, "resumed_from": 0},
+        {"time": 14, "attempt": 1, "event": "checkpoint", "step": 10},
+        {"time": 15, "attempt": 1, "event": "preempted", "step": 10},
+        {"time": 16, "attempt": 1, "event": "attempt_ended", "outcome": "stopped"},
+        {"time": 17, "attempt": 1, "event": "deleted"},
+    ]
+    (line,) = attempt_timelines(events)
+    assert (line.kept_step, line.steps_kept) == (10, 10)
+    result = compute_goodput(events)
+    assert result.seconds["productive"] == 14 - 5 and result.seconds["lost"] == 0
+    assert result.seconds["teardown"] == (16 - 14) + 1
+    # Killed without a notice instead: what it saved may not have committed, and a rerun
+    # trains again from wherever it resumes: lost until then, as before.
+    killed = [e for e in events if e["event"] != "preempted"]
+    (line,) = attempt_timelines(killed)
+    assert line.steps_kept == 0 and compute_goodput(killed).seconds["lost"] == 16 - 5
+    # A rerun that resumed from the saved step keeps the same steps.
+    rerun = [*events, *attempt_events(2, 30, 10, 20, "completed")]
+    assert attempt_timelines(rerun)[0].steps_kept == 10
+
+
 @pytest.mark.parametrize("resumed", [10, 0])
 def test_steps_trained_again_after_the_final_checkpoint_was_quarantined_are_lost(resumed):
     # A rerun found step 12 corrupt, quarantined it and resumed from step 10 (or, keeping
