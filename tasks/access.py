@@ -185,12 +185,12 @@ def check_sweeps_table(config: PipelineConfig, plan: RunPlan) -> None:
         problem = f"{where}: {exc}"
     except Exception as exc:  # the check is advisory (see above)
         from infra.metrics.duckdb_file import unusable_database
-        from tasks.run_owner import damaged_database
+        from tasks.run_owner import damaged_database, unread
 
         if metrics.sink == "duckdb" and unusable_database(exc):
             problem = damaged_database(plan.metrics_path, exc)
         else:
-            log.warning("could not check the sweeps table: %s", exc)
+            log.warning("could not check the sweeps table: %s", unread(exc))
     if problem is not None:
         # Raised outside the handler, so the sink's error is not its context: that error's
         # frames hold the DuckDB connection, and the flow run's failed state keeps it.

@@ -59,7 +59,6 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
         return
     from infra.metrics import build_sink
     from infra.metrics.duckdb_file import unusable_database
-    from infra.metrics.duckdb_sink import MetricsLocked
     from infra.metrics.duckdb_tables import SchemaError
 
     try:
@@ -72,12 +71,23 @@ def check_run_owner(config: PipelineConfig, plan: RunPlan, remote: bool = True) 
     except Exception as exc:  # the check is advisory: landing reports a real problem
         if metrics.sink == "duckdb" and unusable_database(exc):
             raise ConfigError(damaged_database(plan.metrics_path, exc)) from None
-        if isinstance(exc, MetricsLocked):  # its message is landing's, after its wait
-            exc = "another process holds it open (landing waits for it, then says which)"
-        log.warning("could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, exc)
+        log.warning(
+            "could not look up run %s in %s: %s", plan.run_id, plan.metrics_path, unread(exc)
+        )
         return
     if (problem := owner_problem(config, plan, row)) is not None:
         raise ConfigError(problem)
+
+
+def unread(exc: BaseException) -> object:
+    """Why a check before the run could not read the metrics sink, as its warning says it:
+    a DuckDB file another process holds is said as such, not in landing's words ('held
+    open ... for over 0 s': the check waits for nothing)."""
+    from infra.metrics.duckdb_sink import MetricsLocked
+
+    if isinstance(exc, MetricsLocked):
+        return "another process holds it open (landing waits for it, then says which)"
+    return exc
 
 
 def damaged_database(path: str, exc: BaseException) -> str:

@@ -257,6 +257,17 @@ def test_a_metrics_file_another_process_holds_still_passes(tmp_path, caplog):
     # Not landing's message, which said "held open ... for over 0 s" here.
     (said,) = [r.getMessage() for r in caplog.records if "could not look up" in r.getMessage()]
     assert said.endswith("another process holds it open (landing waits for it, then says which)")
+    # A sweep's check of its table too (probe V read "for over 0 s" there).
+    from tasks.access import check_sweeps_table
+
+    caplog.clear()
+    with held(plan.metrics_path, tmp_path / "release2"), caplog.at_level("WARNING"):
+        check_sweeps_table(config, plan)
+    (said,) = [r.getMessage() for r in caplog.records if "sweeps table" in r.getMessage()]
+    assert said == (
+        "could not check the sweeps table: another process holds it open (landing waits "
+        "for it, then says which)"
+    )
 
 
 def test_a_users_table_of_a_landing_tables_name_in_another_schema_passes(tmp_path):
