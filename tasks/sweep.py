@@ -29,6 +29,7 @@ from prefect.cache_policies import NONE
 from tasks.sweep_chips import hold_chips
 from tasks.sweep_deployed import cancel_trial_runs, ensure_trial_deployment
 from tasks.sweep_models import (
+    NOT_STARTED,
     Launcher,
     SweepError,
     SweepInterrupted,
@@ -178,9 +179,6 @@ def _never_ran(trial: Trial, outcome: TrialOutcome, asked: float) -> TrialResult
     return _result(trial, outcome, now, now, asked)
 
 
-NOT_STARTED = TrialOutcome(
-    status="cancelled", error="not started: the sweep was stopped (Ctrl-C, SIGTERM or a cancel)"
-)
 STOPPING_NOW = TrialOutcome(
     status="cancelled", error="stopping: the sweep was interrupted while it ran"
 )

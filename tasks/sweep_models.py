@@ -46,6 +46,11 @@ class TrialOutcome(BaseModel):
     run: RunRow | None = None
 
 
+NOT_STARTED = TrialOutcome(
+    status="cancelled", error="not started: the sweep was stopped (Ctrl-C, SIGTERM or a cancel)"
+)
+
+
 class TrialResult(TrialOutcome):
     """A trial's outcome with its identity and when it held its chips."""
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from infra.metrics import RunRow, SweepRow, build_sink
 from tasks.landing import INTERRUPTED_WAIT_S
 from tasks.plan import metrics_path
-from tasks.sweep_models import SweepPlan, TrialResult, read_run
+from tasks.sweep_models import NOT_STARTED, SweepPlan, TrialResult, read_run
 
 
 class SweepFailed(RuntimeError):
@@ -218,8 +218,19 @@ def publish_leaderboard(plan: SweepPlan, results: list[TrialResult]) -> str:
 
 @task(name="land-sweep", cache_policy=NONE)
 def land_sweep(plan: SweepPlan, results: list[TrialResult], wait_s: float | None = None) -> int:
-    """Land the sweep's trials in the `sweeps` table; landing again replaces them.
-    `wait_s`: how long the sink may wait for its backend (`build_sink`)."""
+    """Land the sweep's trials in the `sweeps` table; landing again replaces them, unless
+    no trial started in this invocation (stopped while it waited for chips): its rows
+    would all read "not started" over what earlier invocations of the sweep landed, their
+    trials' statuses, errors and spend (probe V). `wait_s`: how long the sink may wait for
+    its backend (`build_sink`). Returns the rows landed."""
+    never = NOT_STARTED.model_dump(include={"status", "error", "flow_run_id"})
+    if results and all(r.model_dump(include=never.keys()) == never for r in results):
+        get_run_logger().warning(
+            "no trial of sweep %s started before it was stopped: the sweeps rows landed "
+            "before stay as they were",
+            plan.sweep_id,
+        )
+        return 0
     sink = build_sink(plan.base.metrics.sink, metrics_path(plan.base), plan.base.metrics, wait_s)
     landed = sink.land_sweep(sweep_rows(plan, results))
     get_run_logger().info("landed %d trials of sweep %s", landed, plan.sweep_id)

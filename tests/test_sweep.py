@@ -298,6 +298,32 @@ def test_sweep_landing_replaces_one_sweeps_rows_and_leaves_others(tmp_path):
         )
 
 
+def test_an_invocation_that_started_no_trial_leaves_the_sweeps_rows_as_they_were(tmp_path):
+    # probe V: a rerun stopped while it waited for chips landed every trial "not started",
+    # over the rows that said which had failed, why, and what they spent.
+    from prefect.logging import disable_run_logger
+
+    from tasks.sweep_models import NOT_STARTED
+    from tasks.sweep_results import land_sweep
+
+    plan = _plan(tmp_path)
+    sink = DuckDBSink(tmp_path / "metrics.duckdb")
+    landed = [_result(0, loss=3.0), _result(1, status="failed", error="boom")]
+    sink.land_sweep(sweep_rows(plan, landed))
+
+    def rows() -> list[tuple]:
+        return sink.query("SELECT trial, status, error FROM sweeps ORDER BY trial")
+
+    before = rows()
+    never = [r.model_copy(update=NOT_STARTED.model_dump()) for r in landed]
+    with disable_run_logger():
+        assert land_sweep.fn(plan, never) == 0
+        assert rows() == before == [(0, "completed", None), (1, "failed", "boom")]
+        # One trial started: this invocation's rows replace the old ones, as before.
+        assert land_sweep.fn(plan, [landed[0], never[1]]) == 2
+    assert rows() == [(0, "completed", None), (1, "cancelled", NOT_STARTED.error)]
+
+
 def test_sweep_rows_carry_each_trials_cost_and_the_summary_totals_them(tmp_path):
     results = [_result(0, loss=3.0), _result(1, status="failed", error="boom"), _result(2, loss=2)]
     priced = {0: (0.5, 0.6), 2: (0.25, None)}  # trial 2 ran unpriced
