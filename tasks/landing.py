@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from infra.metrics import RunRow, build_sink
+from infra.metrics.duckdb_sink import MetricsLocked
 from tasks.attempts import describe_error
 from tasks.landing_rows import (  # build_rows and the ledger's: re-exported
     LEDGER_COLUMNS,
@@ -73,6 +74,11 @@ def land_failure(
     keeps what an earlier invocation landed and this one has no value for (its
     evaluation, its step rows): see `infra.metrics.rows`.
     """
+    if isinstance(exc, MetricsLocked):
+        # Its landing just waited for the file's holder: the row would wait as long again
+        # for the same holder (60 s in all, probe V). Run again once it is closed.
+        exc.add_note("(its runs row was not landed either: run again once the file is closed)")
+        return
     if not isinstance(exc, Exception):
         wait = INTERRUPTED_WAIT_S
     else:

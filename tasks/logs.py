@@ -35,6 +35,8 @@ REFUSALS = (
     "tasks.watch.WorkloadPreempted",
     "tasks.watch.WorkloadFailed",
     "tasks.watch.WatchStopped",  # a sweep's trial, stopped with its sweep
+    # A metrics file another process holds: its message names the holder and what to do.
+    "infra.metrics.duckdb_sink.MetricsLocked",
     # A deployment's run given a config that does not validate (the UI's Run form): the
     # flow engine refuses its parameters before the flow starts, naming each field.
     "prefect.exceptions.ParameterTypeError",

@@ -84,6 +84,13 @@ def test_a_failed_runs_row_waits_for_its_sink_by_how_the_run_ended(monkeypatch):
     landing.land_failure(None, None, None, None, evaluated, RuntimeError("503 from BigQuery"))
     landing.land_failure(None, None, None, None, evaluated, KeyboardInterrupt())
     assert waits == [None, landing.AFTER_FAILED_LANDING_WAIT_S, landing.INTERRUPTED_WAIT_S]
+    # A metrics file another process holds: its landing waited 30 s for it already, and a
+    # row would wait for the same holder again (probe V: 60 s in all).
+    from infra.metrics.duckdb_sink import MetricsLocked
+
+    held = MetricsLocked("metrics database m.duckdb is held open by process 1 for over 30 s")
+    landing.land_failure(None, None, None, None, evaluated, held)
+    assert len(waits) == 3 and "run again once the file is closed" in held.__notes__[0]
 
 
 def test_a_run_stopped_by_sigterm_says_a_cancel_may_have_sent_it():
