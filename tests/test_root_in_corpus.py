@@ -91,6 +91,9 @@ def test_a_shared_compile_cache_in_the_corpus_is_no_corpus_with_or_without_its_v
     for owned in (owned_places(plan_run(config)), None):
         files = data.resolve_sources([str(corpus)], owned=owned)
         assert sorted(f.key for f in files) == [f"{i}.txt" for i in range(6)]
+    # Named outright, the cache is refused as what it is (probe W: "matches no file").
+    with pytest.raises(DatasetError, match=r"source '.*/cc' is a JAX compilation cache"):
+        data.resolve_sources([str(cache)])
     (cache / "corpus").mkdir()
     (cache / "corpus" / "a.txt").write_text("text kept where the cache is")
     with pytest.raises(DatasetError, match=r"placed by TPUPIPE_COMPILE_CACHE\) .* change TPUPIPE"):
@@ -139,3 +142,16 @@ def test_a_run_whose_root_is_inside_its_corpus_trains_on_the_corpus_and_resumes(
     plan, count = check_inputs(config, plan_run(config))
     assert (count, plan.same_records_as) == (6, None)
     assert tpu_training_pipeline(config=config).status == "completed"  # resumed, not refused
+
+
+def test_a_directory_holding_one_cache_named_file_among_a_users_files_is_corpus(tmp_path):
+    # probe W: one name like a cache entry made walks skip the whole directory, silently.
+    corpus, _ = corpus_with_root(tmp_path)
+    sub = corpus / "sub"
+    sub.mkdir()
+    (sub / "doc.txt").write_text("a user's document")
+    (sub / f"model-{'b' * 64}-cache").write_text("a user's notes, named oddly")
+    keys = sorted(f.key for f in data.resolve_sources([str(corpus)]))
+    assert keys == sorted(
+        [*(f"{i}.txt" for i in range(6)), "sub/doc.txt", f"sub/model-{'b' * 64}-cache"]
+    )

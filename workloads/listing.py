@@ -173,6 +173,11 @@ def _expand_local(entry: str, skip: DirId = None) -> list[Located]:
                 f"dataset source {entry!r} is a tpupipe dataset directory (it has a "
                 f"{MANIFEST}), not a corpus: give the files it was sharded from"
             )
+        if is_compile_cache({e.name for e in scan(entry)}):
+            raise DatasetError(
+                f"dataset source {entry!r} is a JAX compilation cache (its entries are "
+                "compiled programs, as TPUPIPE_COMPILE_CACHE holds), not a corpus"
+            )
         return _walk(entry, entry, skip)
     if os.path.lexists(entry):  # also a FIFO, dangling or looping link: refused in _local
         base = _base(os.path.dirname(os.path.abspath(entry)))

@@ -107,12 +107,21 @@ _CACHE_ENTRY = re.compile(r".+-[0-9a-f]{64}-(cache|atime)")
 
 
 def is_compile_cache(names: set[str]) -> bool:
-    """Whether a directory holding entries `names` is a JAX compilation cache (its entries
-    are named `<program>-<64 hex digits>-cache`). Walks never enter one: a shared cache
+    """Whether a directory holding entries `names` is a JAX compilation cache: it holds
+    entries named `<program>-<64 hex digits>-cache`, and nothing else but their `-atime`
+    files and hidden ones (its `.lockfile`). Walks never enter one: a shared cache
     (TPUPIPE_COMPILE_CACHE) inside a source directory was read as corpus whenever the
-    variable was not set, failing on its binary entries."""
+    variable was not set, failing on its binary entries. Not a directory that merely holds
+    one such name beside a user's files: all of them were left out, silently (probe W)."""
     # endswith first: a walk asks this of every directory, the stdlib's 8,000 names too.
-    return any(name.endswith("-cache") and _CACHE_ENTRY.fullmatch(name) for name in names)
+    seen = False
+    for name in names:
+        if name.startswith("."):
+            continue
+        if not (name.endswith(("-cache", "-atime")) and _CACHE_ENTRY.fullmatch(name)):
+            return False
+        seen = seen or name.endswith("-cache")
+    return seen
 
 
 def is_dataset_dir(directory: str, names: set[str] | None = None) -> bool:

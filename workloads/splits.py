@@ -173,10 +173,10 @@ def lopsided_split(manifest: dict, eval_fraction: float) -> str | None:
         f"the eval split holds {share:.0%} of the dataset's tokens ({splits['eval']['records']} "
         f"eval / {splits['train']['records']} train sequences) at dataset.eval_fraction = "
         f"{eval_fraction:g}: documents go to eval whole (by a hash of their key, or the "
-        "last one when no key falls below the fraction), and "
-        f"{splits['eval']['documents']} of its {documents} document(s) hold that much. For a "
-        "split nearer the fraction, give more documents (a larger dataset.max_bytes, or "
-        "files read as a document per line or JSONL record)"
+        "last one when no key falls below the fraction), and its "
+        f"{splits['eval']['documents']} eval document(s) of {documents} are that large. For "
+        "a split nearer the fraction, split large files into documents (a document per "
+        "line or JSONL record) or give more of them (a larger dataset.max_bytes)"
     )
 
 
