@@ -69,7 +69,8 @@ def read_yaml(source: str) -> tuple[yaml.Node, dict]:
         key, line, first = duplicate
         raise ConfigError(f"{source}:{line}: duplicate key {key!r} (first given at line {first})")
     if odd_key := key_not_text(node):
-        raise ConfigError(f"{source}:{odd_key[2]}: {_key_not_text(*odd_key)}")
+        section, key, line, kind = odd_key
+        raise ConfigError(f"{source}:{line}: {_key_not_text(section, key, kind)}")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of config sections")
     if {"pipeline", "run_id", "config_hash"} <= set(data):
@@ -130,13 +131,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: the value gives the key {duplicate[0]!r} twice")
     if odd_key := key_not_text(node):
         section, key, _, kind = odd_key
-        raise ConfigError(f"--set {text!r}: {_key_not_text((*path, *section), key, 0, kind)}")
+        raise ConfigError(f"--set {text!r}: {_key_not_text((*path, *section), key, kind)}")
     if odd := number_not_decimal(node, PipelineConfig, tuple(path)):
-        raise ConfigError(f"--set {text!r}: {_not_decimal(*odd)}")
+        where, _, written = odd
+        raise ConfigError(f"--set {text!r}: {_not_decimal(where, written)}")
     return path, strings_as_written(node, value, annotation)
 
 
-def _key_not_text(section: tuple[str, ...], key: str, line: int, kind: str) -> str:
+def _key_not_text(section: tuple[str, ...], key: str, kind: str) -> str:
     where = f"{'.'.join(section)}: " if section else ""
     return (
         f"{where}the key {key!r} is read by YAML as {kind}, not as a name: "
@@ -144,7 +146,7 @@ def _key_not_text(section: tuple[str, ...], key: str, line: int, kind: str) -> s
     )
 
 
-def _not_decimal(path: tuple[str, ...], line: int, text: str) -> str:
+def _not_decimal(path: tuple[str, ...], text: str) -> str:
     read = yaml.safe_load(text)
     return (
         f"{'.'.join(path)}: {text!r} is not a decimal number: YAML reads it as {read!r} (a "
@@ -211,7 +213,8 @@ def load_config(
     source = os.fspath(path)
     node, data = read_yaml(source)
     if odd := number_not_decimal(node, PipelineConfig):
-        raise ConfigError(f"{source}:{odd[1]}: {_not_decimal(*odd)}")
+        where, line, written = odd
+        raise ConfigError(f"{source}:{line}: {_not_decimal(where, written)}")
     data = strings_as_written(node, data, PipelineConfig)
     data = apply_overrides(data, overrides)
     try:
