@@ -232,36 +232,59 @@ def run_trials(
     """
     queue, stopping = TrialQueue(plan.trials), threading.Event()
     token = STOPPING.set(stopping)  # submitted tasks run in copies of this context
+    futures: list = []  # filled as they are submitted: a signal may come in between
     try:
-        if plan.max_parallel >= len(plan.trials):
-            futures = [run_trial.submit(trial, plan, launch, queue) for trial in plan.trials]
-        else:
-            futures = [run_lane.submit(n, queue, plan, launch) for n in range(plan.max_parallel)]
         try:
+            if plan.max_parallel >= len(plan.trials):
+                for trial in plan.trials:
+                    futures.append(run_trial.submit(trial, plan, launch, queue))
+            else:
+                for n in range(plan.max_parallel):
+                    futures.append(run_lane.submit(n, queue, plan, launch))
             results = _gather(futures)
         except BaseException as exc:
-            queue.close()
-            stopping.set()
-            get_run_logger().warning(
-                "sweep interrupted: no trial starts now; waiting for those under way to "
-                "stop (signal again to stop waiting)"
-            )
-            if on_interrupt is not None:
-                on_interrupt(queue.so_far(plan.trials))
-            try:
-                results = _gather(futures, _canceller(plan, exc))
-            except BaseException:  # a second signal: stop waiting, land what is known now
-                get_run_logger().warning(
-                    "sweep interrupted again: not waiting for the trials under way (their "
-                    "rows say stopping); they still delete their slices before this ends"
-                )
-                raise SweepInterrupted(queue.so_far(plan.trials), exc) from exc
-            ran, now = {r.index for r in results}, time.time()
-            results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]
-            raise SweepInterrupted(sorted(results, key=lambda r: r.index), exc) from exc
+            raise _stopped(plan, queue, stopping, futures, exc, on_interrupt) from exc
     finally:
         STOPPING.reset(token)
     return sorted(results, key=lambda r: r.index)
+
+
+def _stopped(
+    plan: SweepPlan,
+    queue: TrialQueue,
+    stopping: threading.Event,
+    futures: list,
+    cause: BaseException,
+    on_interrupt: Callable[[list[TrialResult]], None] | None,
+) -> SweepInterrupted:
+    """Stop the sweep interrupted by `cause`: start no more trials, stop those under way
+    and wait for them (`run_trials`), and say how each trial ended.
+
+    A signal that came while the trials were still being submitted stops those already
+    submitted too: it left the sweep function before, and the flow's task runner waited
+    for them at its exit, so a trial admitted meanwhile trained to its end and the sweep
+    crashed with no `sweeps` rows.
+    """
+    queue.close()
+    stopping.set()
+    log = get_run_logger()
+    log.warning(
+        "sweep interrupted: no trial starts now; waiting for those under way to stop "
+        "(signal again to stop waiting)"
+    )
+    if on_interrupt is not None:
+        on_interrupt(queue.so_far(plan.trials))
+    try:
+        results = _gather(futures, _canceller(plan, cause))
+    except BaseException:  # a second signal: stop waiting, land what is known now
+        log.warning(
+            "sweep interrupted again: not waiting for the trials under way (their rows say "
+            "stopping); they still delete their slices before this ends"
+        )
+        return SweepInterrupted(queue.so_far(plan.trials), cause)
+    ran, now = {r.index for r in results}, time.time()
+    results += [_never_ran(t, NOT_STARTED, now) for t in plan.trials if t.index not in ran]
+    return SweepInterrupted(sorted(results, key=lambda r: r.index), cause)
 
 
 def _gather(futures: list, tick: Callable[[], None] | None = None) -> list[TrialResult]:

@@ -341,3 +341,56 @@ def test_a_deployed_trial_is_found_again_by_its_sweeps_retries_not_by_a_new_swee
         )
         assert (outcome.status, outcome.error) == ("failed", "no capacity")
     assert keys[0] == keys[1] != keys[2]
+
+
+class SignalDuringSubmit:
+    """A sweep task whose second submission meets a Ctrl-C, once the first trial runs: the
+    signal lands in the sweep's thread while it is still submitting its trials."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def submit(self, *args):
+        self.calls += 1
+        if self.calls == 2:
+            deadline = time.monotonic() + 60
+            while not STARTED and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+        return self.real.submit(*args)
+
+
+@pytest.mark.parametrize("lanes", [2, 3], ids=["lanes", "a-task-per-trial"])
+def test_a_signal_while_the_trials_are_submitted_stops_those_submitted(
+    tmp_path, prefect_harness, monkeypatch, lanes
+):
+    # The signal left the sweep function before its wait for the trials: the flow's task
+    # runner waited for the submitted trial to train to its end, then the sweep crashed
+    # with no `sweeps` rows (a SIGTERM right after `plan-sweep`).
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    limit = f"chips-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        sweep_tasks.ensure_chip_limit(limit, 16, 8, client)
+    plan = plan_of(tmp_path, [8] * 3, lanes=lanes, limit=limit)
+    submitted = "run_lane" if lanes < 3 else "run_trial"
+    monkeypatch.setattr(sweep_tasks, submitted, SignalDuringSubmit(getattr(sweep_tasks, submitted)))
+    STARTED.clear()
+
+    @flow
+    def interrupted() -> list:
+        return sweep_tasks.run_trials(plan, watching)
+
+    start = time.monotonic()
+    with pytest.raises(sweep_tasks.SweepInterrupted) as caught:
+        interrupted()
+    assert time.monotonic() - start < 40  # not the 60 s the submitted trial would take
+    assert isinstance(caught.value.cause, KeyboardInterrupt)
+    assert STARTED == [0]
+    outcomes = [(r.index, r.status, r.error.split(":")[0]) for r in caught.value.results]
+    assert outcomes == [
+        (0, "failed", "stopped watching"),
+        (1, "cancelled", "not started"),
+        (2, "cancelled", "not started"),
+    ]
