@@ -171,17 +171,29 @@ def test_only_the_late_closed_loop_errors_are_dropped(capsys):
 
     from workloads.closed_loop_noise import drop_closed_loop_noise
 
+    async def _read_array_index_and_device_put():  # orbax's read of one array
+        pass
+
+    async def other_coroutine():
+        pass
+
     seen = []
     before, level = sys.unraisablehook, logging.getLogger("absl").level
     sys.unraisablehook = seen.append
     try:
         drop_closed_loop_noise()
+        drop_closed_loop_noise()  # installed once: one hook over `seen`, not two
+        assert sys.unraisablehook.__closure__[0].cell_contents == seen.append
         for error in (RuntimeError("Event loop is closed"), RuntimeError("other"), OSError("x")):
-            sys.unraisablehook(SimpleNamespace(exc_value=error))
+            sys.unraisablehook(SimpleNamespace(exc_value=error, object=None))
+        for coroutine in (_read_array_index_and_device_put(), other_coroutine()):
+            sys.unraisablehook(SimpleNamespace(exc_value=Exception("read"), object=coroutine))
+            coroutine.close()
         # Orbax's WARNING and ERROR lines about a damaged step (or another step's metadata)
         # came before and after the command's one line.
         assert not logging.getLogger("absl").isEnabledFor(logging.ERROR)
     finally:
         sys.unraisablehook = before
         logging.getLogger("absl").setLevel(level)
-    assert [str(u.exc_value) for u in seen] == ["other", "x"]
+    assert [str(u.exc_value) for u in seen] == ["other", "x", "read"]
+    assert seen[-1].object.cr_code.co_name == "other_coroutine"

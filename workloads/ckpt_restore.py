@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from workloads import ckpt_integrity as integrity
 from workloads.ckpt_manager import item_handlers, make_manager
 from workloads.ckpt_quarantine import quarantine
+from workloads.closed_loop_noise import drop_failed_read_leftovers
 
 # The logger these lines had before the split, so their records are unchanged.
 log = logging.getLogger("workloads.checkpoint")
@@ -161,6 +162,7 @@ def restore_newest_valid(
     others waited there, the hosts' collectives no longer matched, and the attempt stalled
     until the orchestrator's heartbeat timeout.
     """
+    drop_failed_read_leftovers()  # a damaged step's failed reads: its warning says enough
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             restored, data_state, meta = restore(mngr, step, arrays)
@@ -234,6 +236,7 @@ def restore_on_host(
     with `with_data`, its data-iterator state too (None if the step has none); with
     `only`, that item of the state alone (`"model"`: AdamW's moments, twice the
     parameters' bytes, are never read)."""
+    drop_failed_read_leftovers()  # a damaged step's failed reads: the raised error says why
     mngr = make_manager(run_dir, read_only=True)
     try:
         metadata = mngr.item_metadata(step)["state"]
