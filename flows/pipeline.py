@@ -14,7 +14,7 @@ from prefect import flow, runtime
 # A worker loads this file by its path (prefect.yaml's entrypoint), which imports
 # no package; the flows package's set-up sends the project's module logs to the run and
 # logs refusals in one line, as `tpupipe run` does.
-import flows  # noqa: F401
+from flows import form_parameter
 from infra.metrics import RunRow
 from tasks.checks import evaluate_checkpoint, finished_training, verify_checkpoint
 from tasks.landing import land_failure, land_metrics, publish_summary
@@ -24,6 +24,9 @@ from tasks.teardown import delete_flow_run_slices
 from tasks.training import slice_torn_down, train_with_retries
 from workloads.config import PipelineConfig
 
+# The default config, as the UI's run form shows it (`flows.form_parameter`).
+DEFAULT_CONFIG = form_parameter(PipelineConfig())
+
 
 @flow(
     name="tpu-training-pipeline",
@@ -31,7 +34,7 @@ from workloads.config import PipelineConfig
     on_cancellation=[delete_flow_run_slices],
     on_crashed=[delete_flow_run_slices],
 )
-def tpu_training_pipeline(config: PipelineConfig = PipelineConfig()) -> RunRow:  # noqa: B008
+def tpu_training_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> RunRow:
     """Shard → provision → train (re-provisioning after preemptions) → verify → evaluate →
     land, tearing the slice down whatever fails; a run whose training finished in an
     earlier invocation skips to evaluate. A failed run still lands a `runs` row, one

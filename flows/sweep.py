@@ -17,6 +17,7 @@ from functools import partial
 from prefect import flow, runtime
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows import form_parameter
 from flows.local_run import orchestrate_here
 from flows.pipeline import tpu_training_pipeline
 from tasks.landing import INTERRUPTED_WAIT_S
@@ -37,6 +38,9 @@ from tasks.sweep_space import SweepConfig, Trial
 # usually keeps it lower, and further trials wait in the runner's queue.
 TRIAL_THREADS = 32
 
+# The default sweep, as the UI's run form shows it (`flows.form_parameter`).
+DEFAULT_SWEEP = form_parameter(SweepConfig())
+
 
 def launch(trial: Trial, plan: SweepPlan) -> TrialOutcome:
     """Run one trial where the plan says and report how it ended (never raises for a
@@ -52,7 +56,7 @@ def launch(trial: Trial, plan: SweepPlan) -> TrialOutcome:
     log_prints=True,
     task_runner=ThreadPoolTaskRunner(max_workers=TRIAL_THREADS),
 )
-def sweep(config: SweepConfig = SweepConfig()) -> SweepSummary:  # noqa: B008
+def sweep(config: SweepConfig = DEFAULT_SWEEP) -> SweepSummary:
     """Plan the trials, run them under the chip limit, publish the leaderboard and land
     the `sweeps` rows; fails only if no trial completed."""
     plan = plan_sweep(

@@ -54,11 +54,11 @@ class DatasetConfig(_Strict):
         description="Path to a Hugging Face tokenizers JSON file (tokenizer.json), read from "
         "disk, never downloaded; null: byte-level tokens.",
     )
-    errors: Literal["strict", "replace"] = Field(
-        "strict",
+    errors: Literal["strict", "replace"] | None = Field(
+        None,
         description="Invalid UTF-8 in a source: 'strict' fails naming the file and byte "
-        "offset; 'replace' substitutes U+FFFD. Unset with sources [stdlib] alone: "
-        "'replace' (4 of the standard library's test files are deliberately not UTF-8).",
+        "offset; 'replace' substitutes U+FFFD. Empty: 'replace' with sources [stdlib] alone "
+        "(4 of the standard library's test files are deliberately not UTF-8), else 'strict'.",
     )
     seq_len: Int = Field(128, ge=8, le=32768, description="Tokens per training sequence.")
     eval_fraction: Float = Field(
@@ -86,21 +86,19 @@ class DatasetConfig(_Strict):
         ),
     )
 
+    FILLED_IN = ("errors",)
+
     @classmethod
     def filled_in(cls, data: dict) -> dict[str, Any]:
-        """`errors: replace` for the stdlib corpus alone.
+        """`errors: replace` for the stdlib corpus alone, `strict` for any other.
 
         The default corpus must train as it is: the nightly deployment and a UI run with
         no dataset given use it, and strict decoding refused its 4 non-UTF-8 test files.
         A user's own corpus keeps strict decoding unless asked, and so does an explicit
         `errors: strict`.
         """
-        return {"errors": "replace"} if data.get("sources", ["stdlib"]) == ["stdlib"] else {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stdlib_reads_with_replace(cls, data: Any) -> Any:
-        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
+        stdlib = data.get("sources", ["stdlib"]) == ["stdlib"]
+        return {"errors": "replace" if stdlib else "strict"}
 
     @field_validator("sources")
     @classmethod

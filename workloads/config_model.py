@@ -35,12 +35,17 @@ class ModelConfig(_Strict):
     size: Literal["tiny", "small", "base"] | None = Field(
         None,
         description="Named size (tiny, small, base) filling d_model, n_layers, n_heads and "
-        "d_ff; any of those given explicitly overrides it. None: free-form.",
+        "d_ff where those are empty; any of them given overrides it. None: tiny's dimensions "
+        "fill the empty ones.",
     )
-    d_model: Int = Field(128, ge=8, description="Width of the residual stream.")
-    n_layers: Int = Field(2, ge=1, description="Transformer blocks.")
-    n_heads: Int = Field(4, ge=1, description="Attention heads (d_model must divide by it).")
-    d_ff: Int = Field(512, ge=8, description="Hidden width of the MLP.")
+    # None (empty in the UI's form): filled in from `size` (`filled_in`); never None once
+    # validated.
+    d_model: Int | None = Field(None, ge=8, description="Width of the residual stream.")
+    n_layers: Int | None = Field(None, ge=1, description="Transformer blocks.")
+    n_heads: Int | None = Field(
+        None, ge=1, description="Attention heads (d_model must divide by it)."
+    )
+    d_ff: Int | None = Field(None, ge=8, description="Hidden width of the MLP.")
     max_seq_len: Int = Field(
         1024, ge=8, lt=2**31, description="Longest sequence the model accepts (int32 positions)."
     )
@@ -51,17 +56,16 @@ class ModelConfig(_Strict):
         "float32", description="Dtype of the master parameters and optimizer state."
     )
 
+    FILLED_IN = ("d_model", "n_layers", "n_heads", "d_ff")
+
     @classmethod
     def filled_in(cls, data: dict) -> dict[str, Any]:
-        """The named size's dimensions."""
+        """The named size's dimensions; tiny's without a size (or with one the `size`
+        field refuses)."""
         size = data.get("size")
         # isinstance first: `size: [a]` is unhashable here; the Literal field reports it.
-        return dict(MODEL_SIZES[size]) if isinstance(size, str) and size in MODEL_SIZES else {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_size(cls, data: Any) -> Any:
-        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
+        named = isinstance(size, str) and size in MODEL_SIZES
+        return dict(MODEL_SIZES[size if named else "tiny"])
 
 
 def padded_vocab_size(vocab_size: int) -> int:

@@ -84,15 +84,19 @@ class SliceConfig(_Strict):
         description="'local': the workload as processes over virtual CPU devices; 'gcp': a "
         "Cloud TPU VM slice (needs a gs:// storage.root).",
     )
-    devices: Int = Field(
-        8, ge=1, le=256, description="Devices in the slice (gcp: taken from accelerator_type)."
+    # None (empty in the UI's form): filled in (`filled_in`); never None once validated.
+    devices: Int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Devices in the slice (empty: taken from accelerator_type on gcp, 8 on local).",
     )
-    hosts: Int = Field(
-        1,
+    hosts: Int | None = Field(
+        None,
         ge=1,
         le=64,
-        description="Hosts (one JAX process each) the devices are spread over (gcp: taken "
-        "from accelerator_type).",
+        description="Hosts (one JAX process each) the devices are spread over (empty: taken "
+        "from accelerator_type on gcp, 1 on local).",
     )
     poll_interval_s: Float = Field(
         1.0,
@@ -179,22 +183,19 @@ class SliceConfig(_Strict):
         default_factory=ChaosConfig, description="local: injected preemptions and failures."
     )
 
+    FILLED_IN = ("devices", "hosts")
+
     @classmethod
     def filled_in(cls, data: dict) -> dict[str, Any]:
-        """On gcp, the devices and hosts the TPU type fixes."""
-        if data.get("provider") != "gcp":
-            return {}
-        try:
-            devices, hosts = tpu_topology(str(data.get("accelerator_type") or ""))
-        except ValueError:
-            return {}  # reported with the field's context by _gcp_fields
-        return {"devices": devices, "hosts": hosts}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _topology_from_accelerator(cls, data: Any) -> Any:
-        # A TPU type fixes devices and hosts: fill them in unless the user wrote them.
-        return {**cls.filled_in(data), **data} if isinstance(data, dict) else data
+        """On gcp, the devices and hosts the TPU type fixes; otherwise (or for a type
+        `_gcp_fields` refuses) one host of 8 devices."""
+        if data.get("provider") == "gcp":
+            try:
+                devices, hosts = tpu_topology(str(data.get("accelerator_type") or ""))
+                return {"devices": devices, "hosts": hosts}
+            except ValueError:
+                pass  # reported with the field's context by _gcp_fields
+        return {"devices": 8, "hosts": 1}
 
     @model_validator(mode="after")
     def _lifetime_covers_start_up(self) -> SliceConfig:

@@ -10,7 +10,7 @@ anything is provisioned.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Strict,
     field_validator,
+    model_validator,
 )
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -31,11 +32,24 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    # The fields this section fills in by itself from its others (`filled_in`) where they
+    # are not given, or given as None: what the Prefect UI's form sends for them unless
+    # the user types a value (`form_values`).
+    FILLED_IN: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def filled_in(cls, data: dict) -> dict[str, Any]:
-        """The fields this section fills in itself from the others in `data` (its input)
-        where they are not given: none here."""
+        """The values of `FILLED_IN` fields this section gives itself from the others in
+        `data` (its input): none here."""
         return {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_in(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.FILLED_IN:
+            return data
+        given = {k: v for k, v in data.items() if not (k in cls.FILLED_IN and v is None)}
+        return {**cls.filled_in(given), **given}
 
     @field_validator("*", mode="after")
     @classmethod
@@ -106,3 +120,26 @@ def _project_id(value: str | None) -> str | None:
 
 # A Google Cloud project id, or None for the credentials' own project.
 ProjectId = Annotated[str | None, AfterValidator(_project_id)]
+
+
+def form_values(model: BaseModel) -> dict[str, Any]:
+    """`model`'s JSON dump with None for each field its section fills in by itself and
+    holds what it would fill in: the values a Prefect UI run form starts from.
+
+    The form sends every field it shows. Started from the plain dump, it sent the default
+    model's dimensions next to the size a user picked, and those, given explicitly,
+    overrode the size: a run of `model.size: small` from the UI trained the tiny model.
+    """
+    return _unfilled(model, model.model_dump(mode="json"))
+
+
+def _unfilled(model: BaseModel, dumped: dict) -> dict:
+    filled = model.filled_in(dumped) if isinstance(model, StrictModel) else {}
+    out = dict(dumped)
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out[name] = _unfilled(value, dumped[name])
+        elif name in filled and filled[name] == dumped[name]:
+            out[name] = None
+    return out
