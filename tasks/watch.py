@@ -140,6 +140,7 @@ def watch_slice(
     seen, seen_at = None, started  # this attempt's newest heartbeat, and when it was read
     our_step = None  # this attempt's newest step: its last heartbeat may have none
     quarantined: set[int] = set()  # steps whose quarantine was logged
+    told_start = False  # whether the step this attempt trains from was logged
     while True:
         # The heartbeat's step: the workload may have gone on since, and it saves the step
         # it is at when its slice is deleted (the landed row's final step): "after step
@@ -179,6 +180,8 @@ def watch_slice(
             seen, seen_at = heartbeat, clock()
         if ours:
             _log_quarantined(heartbeat, quarantined, log)
+            if not told_start:
+                told_start = _log_start(heartbeat, log)
         # This attempt's step only: a rerun logged the crashed attempt's last heartbeat
         # ("step 75 loss 2.76 (training)") before its own workload restored step 50.
         step = heartbeat.get("step") if ours else None
@@ -247,6 +250,29 @@ def _log_quarantined(heartbeat: dict, seen: set[int], log: Callable[[str], None]
         if isinstance(step, int) and step not in seen:
             seen.add(step)
             log(f"checkpoint step {step} was quarantined, not resumed from: {entry.get('reason')}")
+
+
+def _log_start(heartbeat: dict, log: Callable[[str], None]) -> bool:
+    """Log the step the attempt trains from once its heartbeat says (True then): a resume,
+    or a run that had checkpoints starting over because none of them restored. The console
+    showed only "step 50 loss None (compiling)" after a quarantine, and nothing at all
+    when every checkpoint was quarantined and the run trained again from step 0."""
+    start = heartbeat.get("resumed_from")
+    if not isinstance(start, int):
+        return False
+    bad = sorted(
+        {e.get("step") for e in heartbeat.get("quarantined") or [] if isinstance(e, dict)} - {None},
+        reverse=True,
+    )
+    steps = f"step{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+    if start:
+        log(
+            f"resuming from the checkpoint of step {start}"
+            + (f" (newer: {steps}, quarantined)" if bad else "")
+        )
+    elif bad:
+        log(f"training from step 0: none of the run's checkpoints restored ({steps}, quarantined)")
+    return True
 
 
 def _last_log_line(

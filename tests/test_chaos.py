@@ -338,6 +338,8 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_run_resumes(refere
     events = read_events(Path(run.run_dir) / "events.jsonl")
     restored = [e for e in events if e["event"] == "restored"]
     assert restored[-1]["step"] < newest  # resumed from the checkpoint before the bad one
+    # Its heartbeat says so, for the orchestrator's console (`tasks.watch._log_start`).
+    assert RunDir(run.run_dir).read_status()["resumed_from"] == restored[-1]["step"]
     # The ledger says why, not only the slice log and QUARANTINED.txt.
     (quarantined,) = [e for e in events if e["event"] == "quarantined"]
     assert quarantined["step"] == newest and "does not restore" in quarantined["reason"]

@@ -144,6 +144,47 @@ def test_checkpoints_the_workload_quarantined_are_logged_once_each():
     ]
 
 
+@pytest.mark.parametrize(
+    ("start", "bad", "said"),
+    [
+        (50, [55], ["resuming from the checkpoint of step 50 (newer: step 55, quarantined)"]),
+        (50, [], ["resuming from the checkpoint of step 50"]),
+        (
+            0,
+            [40, 35, 30],
+            ["training from step 0: none of the run's checkpoints restored "
+             "(steps 40, 35, 30, quarantined)"],
+        ),
+        (0, [], []),  # a new run: nothing to say
+    ],
+)  # fmt: skip
+def test_the_step_an_attempt_trains_from_is_logged_once(start, bad, said):
+    # The console said "step 50 loss None (compiling)" after a quarantine, and nothing
+    # when every checkpoint was quarantined and the run trained again from step 0: where
+    # a rerun resumed was in the slice's log alone (probe Y, session 39).
+    clock, lines = FakeClock(), []
+    quarantined = [{"step": s, "reason": "cut"} for s in bad]
+
+    def beats(now):
+        if now < 1020:  # the last attempt's heartbeat: not this attempt's start
+            return {"phase": "preempted", "attempt": 1, "time": 990.0, "step": 70,
+                    "resumed_from": 60}  # fmt: skip
+        return {"phase": "compiling" if now < 1050 else "training", "attempt": 2,
+                "time": now, "step": start if now < 1050 else start + 1,
+                "resumed_from": start, "quarantined": quarantined}  # fmt: skip
+
+    class EndsAt1080:
+        def status(self, name: str) -> SliceStatus:
+            state = SliceState.TERMINATED if clock.now >= 1080 else SliceState.READY
+            return SliceStatus(name, state, 0 if clock.now >= 1080 else None)
+
+    run_dir = Heartbeats(beats)
+    run_dir.clock = clock
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    watch_slice(EndsAt1080(), "s", run_dir, settings, lines.append, None, clock, clock.sleep, 2)
+    assert [line for line in lines if line.startswith(("resuming", "training from"))] == said
+
+
 class ExitsWith:
     """A slice whose workload has exited with `code`."""
 

@@ -63,6 +63,7 @@ class _Reporter:
         self.primary = jax.process_index() == 0
         self.last_status = time.monotonic()
         self.quarantined: list[dict[str, Any]] = []
+        self.resumed_from: int | None = None  # the step restored (0: none), once known
 
     def status(self, phase: str, **fields: Any) -> None:
         if self.primary:
@@ -70,6 +71,8 @@ class _Reporter:
             # The attempt tells the orchestrator this attempt's heartbeat from the last one's.
             if self.quarantined:  # in every beat: the watch may miss any single one
                 fields["quarantined"] = self.quarantined
+            if self.resumed_from is not None:
+                fields["resumed_from"] = self.resumed_from
             self.rd.write_status(phase, attempt=self.events.attempt, **fields)
         self.last_status = time.monotonic()
 
@@ -143,6 +146,7 @@ def run(wcfg: WorkloadConfig, notice: PreemptionNotice | None = None) -> int:
         partial(input.iterator_state_problem, data),
         report.quarantine,
     )
+    report.resumed_from = start
     if start:
         input.restore_iterator_state(data, data_state)
         report.event("restored", step=start, seconds=time.perf_counter() - restore_started)
