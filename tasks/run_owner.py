@@ -127,7 +127,7 @@ def owner_problem(config: PipelineConfig, plan: RunPlan, row, say: bool = True) 
     if copied and (not _exists(row.run_dir) or _own_file(config, plan)):
         (log.info if say else log.debug)(
             "run %s landed from %s; this run directory, %s, holds that run's attempts (its "
-            "storage root was %s): its rows in %s now name this one",
+            "storage root was %s): its rows in %s will name this one once it lands",
             config.run_name,
             row.run_dir,
             plan.run_dir,

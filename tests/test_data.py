@@ -280,6 +280,9 @@ def test_interrupted_run_leaves_no_manifest_and_the_next_run_completes(tmp_path,
         DatasetError, match=re.escape(f"incomplete dataset: no manifest.json in {dataset_dir}")
     ):
         data.load_manifest(dataset_dir)
+    # A directory that is gone is not called incomplete (evaluation alone, probe Y).
+    with pytest.raises(DatasetError, match=r"^no dataset at .*/gone: the directory is gone$"):
+        data.load_manifest(tmp_path / "gone")
     (dataset_dir / ".tmp-train-00000-of-00002.arrayrecord").write_bytes(b"half a shard")
     monkeypatch.undo()
     result = data.shard_dataset(cfg, tmp_path / "out")

@@ -60,6 +60,8 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict:
     """
     path = (epath.Path if "://" in str(dataset_dir) else Path)(dataset_dir) / MANIFEST
     if not path.is_file():
+        if "://" not in str(dataset_dir) and not path.parent.is_dir():  # a bucket has no dirs
+            raise DatasetError(f"no dataset at {dataset_dir}: the directory is gone")
         raise DatasetError(f"incomplete dataset: no {MANIFEST} in {dataset_dir}")
     try:
         manifest = json.loads(path.read_text())
