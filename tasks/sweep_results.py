@@ -78,6 +78,16 @@ def leaderboard(results: list[TrialResult], objective: str) -> list[dict[str, An
     return rows
 
 
+def _reason(r: TrialResult) -> str | None:
+    """Why the trial did not complete, as its `sweeps` row says it. A cancelled trial's run
+    row, when it landed one, says what stopped it: the flow run's own message for a
+    deployed trial cancelled by its stopped sweep was Prefect's "Flow run was cancelled
+    successfully." (probe X)."""
+    if r.status == "cancelled" and r.run is not None and r.run.error:
+        return r.run.error
+    return r.error
+
+
 def sweep_rows(plan: SweepPlan, results: list[TrialResult]) -> list[SweepRow]:
     """One `sweeps` row per trial, linking it to its run and flow run."""
     rank = ranks(results, plan.objective)
@@ -89,7 +99,7 @@ def sweep_rows(plan: SweepPlan, results: list[TrialResult]) -> list[SweepRow]:
             sweep_flow_run_id=plan.flow_run_id,
             flow_run_id=r.flow_run_id,
             status=r.status,
-            error=r.error,
+            error=_reason(r),
             params_json=json.dumps(r.params, sort_keys=True),
             chips=r.chips,
             objective=plan.objective,

@@ -307,6 +307,13 @@ def test_cancelling_a_deployed_sweep_cancels_its_trials_runs_and_their_slices(st
         "SELECT trial, status, flow_run_id FROM sweeps WHERE sweep_id = 'cancel-me' ORDER BY trial"
     )
     assert [(t[0], t[1]) for t in trials] == [(0, "cancelled"), (1, "cancelled")]
+    # Each row says what stopped its trial, as its run's row does, not Prefect's "Flow
+    # run was cancelled successfully.".
+    errors = sink.query(
+        "SELECT s.error, r.error FROM sweeps s JOIN runs r USING (run_id) "
+        "WHERE s.sweep_id = 'cancel-me' ORDER BY s.trial"
+    )
+    assert len(errors) == 2 and all(mine == theirs and theirs for mine, theirs in errors), errors
     for _, _, trial_run in trials:
         assert final_state(stack, uuid.UUID(trial_run), timeout_s=60) == "CANCELLED"
         labels = {"flow-run-id": trial_run}

@@ -324,6 +324,26 @@ def test_an_invocation_that_started_no_trial_leaves_the_sweeps_rows_as_they_were
     assert rows() == [(0, "completed", None), (1, "cancelled", NOT_STARTED.error)]
 
 
+def test_a_cancelled_trial_s_row_says_what_its_run_says_stopped_it(tmp_path):
+    # A deployed trial cancelled by its stopped sweep read Prefect's "Flow run was
+    # cancelled successfully." in its sweeps row; its runs row named the stop (probe X).
+    stopped = "TerminationSignal: the orchestrator received SIGTERM (a stop, or a cancel)"
+    prefect_s = "Flow run was cancelled successfully."
+    cancelled = _result(0, status="cancelled", error=prefect_s, loss=3.0)
+    run = cancelled.run.model_copy(update={"status": "failed", "error": stopped})
+    cancelled = cancelled.model_copy(update={"run": run})
+    failed = _result(1, status="failed", error="WorkloadFailed: exit 1", loss=3.0)
+    run = failed.run.model_copy(update={"error": "WorkloadFailed: exit 1 (its log's end)"})
+    failed = failed.model_copy(update={"run": run})
+    never = _result(2, status="cancelled", error="not started: the sweep was stopped")
+    rows = sweep_rows(_plan(tmp_path), [cancelled, failed, never])
+    assert [r.error for r in rows] == [
+        stopped,
+        "WorkloadFailed: exit 1",  # the flow run's own account, as before
+        "not started: the sweep was stopped",
+    ]
+
+
 def test_sweep_rows_carry_each_trials_cost_and_the_summary_totals_them(tmp_path):
     results = [_result(0, loss=3.0), _result(1, status="failed", error="boom"), _result(2, loss=2)]
     priced = {0: (0.5, 0.6), 2: (0.25, None)}  # trial 2 ran unpriced
