@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from functools import partial
 
@@ -164,7 +165,10 @@ def test_a_truncated_newest_checkpoint_is_quarantined_and_the_previous_one_used(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
     (moved,) = (tmp_path / "quarantine").iterdir()
     assert moved.name.startswith("10-")
-    assert "does not restore" in (moved / "QUARANTINED.txt").read_text()
+    reason = (moved / "QUARANTINED.txt").read_text()
+    assert "does not restore" in reason
+    # Which array and where: orbax's own error named only the slices it read (probe Y).
+    assert re.search(r'Error reading "[^"]+" .*checkpoints/10/state/', reason), reason
     # A second attempt resumes from the same place: no crash loop on the bad step.
     assert _restore_newest(tmp_path, state.arrays)[0] == 5
 

@@ -134,11 +134,19 @@ def unreadable(where: str, exc: BaseException) -> CheckpointUnreadable:
 
 def restore_error(exc: BaseException) -> str:
     """'does not restore: <error>', without the store's whole spec that tensorstore's
-    errors append (60 lines of JSON for one array, in a message a person reads)."""
+    errors append (60 lines of JSON for one array, in a message a person reads), and with
+    the error it was raised from: orbax's "Encountered error while reading array index:
+    (slice(0, 384, 1), ...)" named no array and no file; its cause names both."""
+    said = f"{type(exc).__name__}: {_short(exc)}"
+    cause = exc.__cause__
+    if cause is not None and _short(cause) not in said:
+        said += f" (from {type(cause).__name__}: {_short(cause)})"
+    return f"does not restore: {said}"
+
+
+def _short(exc: BaseException) -> str:
     text = str(exc).split("See full TensorStore details", 1)[0].strip()
-    if len(text) > 500:
-        text = text[:500] + " ..."
-    return f"does not restore: {type(exc).__name__}: {text}"
+    return text[:500] + " ..." if len(text) > 500 else text
 
 
 def restore_newest_valid(
