@@ -188,7 +188,9 @@ def watch_slice(
         if step is not None:
             our_step = step
         if step != last_step and step is not None:
-            log(f"step {step} loss {heartbeat.get('loss')} ({heartbeat.get('phase')})")
+            loss = heartbeat.get("loss")  # none yet while restoring or compiling
+            said = f" loss {loss}" if loss is not None else ""
+            log(f"step {step}{said} ({heartbeat.get('phase')})")
             last_step = step
             if on_heartbeat is not None:
                 on_heartbeat(heartbeat)
