@@ -143,6 +143,33 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
 
 
+def test_an_atomic_write_to_a_fifo_or_through_a_symlink_keeps_what_is_there(tmp_path):
+    """`tpupipe report --out /dev/null` replaced the device with a regular file holding the
+    plot (run as root: for every process on the machine). A FIFO stands in for the device
+    here; a symlink stays a symlink and its file gets the bytes (probe Z, session 39)."""
+    import stat
+    import threading
+
+    from etils import epath
+
+    from workloads.rundir import write_bytes_atomic
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_bytes_atomic(epath.Path(fifo), b"png")
+    reader.join(10)
+    assert got == [b"png"] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+    (tmp_path / "real.png").write_bytes(b"old")
+    (tmp_path / "link.png").symlink_to(tmp_path / "real.png")
+    write_bytes_atomic(epath.Path(tmp_path / "link.png"), b"new")
+    assert (tmp_path / "link.png").is_symlink() and (tmp_path / "real.png").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.png", "real.png"]
+
+
 def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
     # A write or flush that finds the disk full raises "[Errno 28] No space left on
     # device" and nothing more: the run failed naming no file (metrics.jsonl, eval.json).

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import sys
 import time
 from typing import Any
@@ -74,6 +75,15 @@ def write_bytes_atomic(path: epath.Path, data: bytes) -> None:
     if str(path).startswith("gs://"):
         path.write_bytes(data)  # a GCS object write is already all-or-nothing
         return
+    # Through a symlink: the link stays, the file it names is replaced.
+    path = epath.Path(os.path.realpath(path))
+    if _special(path):
+        # A device or a FIFO (`tpupipe report --out /dev/null`) is written to, never
+        # replaced: run as root, the replace made /dev/null a regular file holding a PNG,
+        # for every process on the machine.
+        with open(path, "wb") as out:
+            out.write(data)
+        return
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         with naming(path):
@@ -85,6 +95,16 @@ def write_bytes_atomic(path: epath.Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _special(path: epath.Path) -> bool:
+    """Whether `path` is there and neither a regular file nor a directory (epath's
+    `is_file` is true of a FIFO)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _jsonable(value: Any) -> Any:
