@@ -337,3 +337,43 @@ def test_project_ids_and_numbers_are_taken(tmp_path, value):
     path = tmp_path / "c.yaml"
     path.write_text(f"slice:\n  project: '{value}'\n")
     assert load_config(path).slice.project == value
+
+
+def test_a_config_that_is_a_device_or_too_large_is_refused_without_reading_it_all(tmp_path):
+    # `--config /dev/zero` read until the machine's memory ran out: the OOM killer struck
+    # machine-wide (probe Z, session 39).
+    with pytest.raises(ConfigError, match=r"^/dev/zero: a device, not a config file$"):
+        load_config("/dev/zero")
+    path = write(tmp_path, "run_name: big\n" + "# padding\n" * (11 * 2**20 // 10))
+    with pytest.raises(ConfigError, match=rf"^{path}: over 10 MiB: not a config file$"):
+        load_config(path)
+
+
+def test_a_fifo_nothing_writes_to_is_an_empty_config_and_a_pipe_is_read(tmp_path):
+    # A FIFO with no writer hung `tpupipe validate` without a word (probe Z); a pipe with
+    # one (`--config <(...)`) must still be read.
+    import os
+    import threading
+
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    said = []
+
+    def load() -> None:
+        try:
+            load_config(fifo)
+        except ConfigError as exc:
+            said.append(str(exc))
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(20)
+    assert said == [f"{fifo}: the config is empty (only comments or blank lines)"]
+
+    read, written = os.pipe()
+    os.write(written, BASE.encode())
+    os.close(written)
+    try:
+        assert load_config(f"/dev/fd/{read}").train.steps == 12
+    finally:
+        os.close(read)

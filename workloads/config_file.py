@@ -10,6 +10,7 @@ right thing before anything is provisioned. The blaming is `workloads.config_bla
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,34 @@ class ConfigError(ValueError):
     """A config that cannot train; the message names the file, line and fields."""
 
 
+# A config is a few kilobytes; more than this is not one (`--config /dev/zero` read until
+# the machine's memory ran out, and the OOM killer struck machine-wide).
+MAX_CONFIG_BYTES = 10 * 2**20
+
+
+def _read_bounded(source: str) -> bytes:
+    """The bytes of the config file `source`, at most `MAX_CONFIG_BYTES`; a pipe too
+    (`--config <(...)`). A FIFO nothing writes to reads as empty, not as a wait without
+    end: it is opened without waiting for a writer.
+
+    Raises:
+        ConfigError: naming the file, if it cannot be read, is a device or is too large.
+    """
+    try:
+        kind = os.stat(source).st_mode
+        if stat.S_ISCHR(kind) or stat.S_ISBLK(kind):
+            raise ConfigError(f"{source}: a device, not a config file")
+        fd = os.open(source, os.O_RDONLY | (os.O_NONBLOCK if stat.S_ISFIFO(kind) else 0))
+        os.set_blocking(fd, True)  # opened: now wait for what a writer sends
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: over {MAX_CONFIG_BYTES // 2**20} MiB: not a config file")
+    return raw
+
+
 def read_yaml(source: str) -> tuple[yaml.Node, dict]:
     """The composed node tree and the loaded mapping of the config file `source`.
 
@@ -42,11 +71,7 @@ def read_yaml(source: str) -> tuple[yaml.Node, dict]:
         ConfigError: naming the file (and line or byte offset) if it cannot be read, is not
             UTF-8, is not YAML, is empty, gives a key twice or is not a mapping.
     """
-    try:
-        with open(source, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+    raw = _read_bounded(source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
