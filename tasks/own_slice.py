@@ -18,7 +18,7 @@ import time
 
 from etils import epath
 
-from infra.slices.base import LabelTest, SliceStatus
+from infra.slices.base import LabelTest, SliceState, SliceStatus
 from tasks.attempts import LEFTOVER_DELETED
 from tasks.goodput import MAX_ATTEMPT
 from tasks.plan import ROOT_LABEL, RunPlan, is_gcs, plan_run, root_tag, run_events
@@ -183,13 +183,16 @@ def _attempt_of(labels) -> int | None:
     return int(value) if value.isdecimal() and 0 < int(value) < MAX_ATTEMPT else None
 
 
-def _last_beat(plan: RunPlan, attempt: int, deleting: float) -> dict:
+def _last_beat(plan: RunPlan, attempt: int, deleting: float, state: str) -> dict:
     """The last heartbeat the deleted copy's workload wrote, if it is that attempt's: its
     time and step (`beat_time`, `beat_step`), the ledger's evidence of how long a workload
     whose orchestrator was killed trained on (`tasks.attempts.trained_after`; its metrics
     rows come only every `train.log_every` steps). A beat of its training phase no older
-    than two of its intervals when the delete began (`deleting`) says it trained until
-    then (`trained_until`), as the watch would have judged it alive. None found: {}."""
+    than two of its intervals when the delete began (`deleting`), on a copy still READY
+    (`state`), says it trained until then (`trained_until`), as the watch would have
+    judged it alive. A copy whose workload had exited (TERMINATED) trained only until its
+    last beat: counted until the delete, an orchestrator and workload both killed, then
+    rerun, showed 38 s lost where 0.1 s were (probe R). None found: {}."""
     try:
         beat = RunDir(plan.run_dir).read_status() or {}
     except Exception:  # only a note for the ledger: the deletion is recorded without it
@@ -199,7 +202,7 @@ def _last_beat(plan: RunPlan, attempt: int, deleting: float) -> dict:
         return {}
     found = {"beat_time": when, "beat_step": step if isinstance(step, int) else None}
     alive = isinstance(every, int | float) and deleting - when <= 2 * every + BEAT_SLACK_S
-    if beat.get("phase") == "training" and alive:
+    if beat.get("phase") == "training" and alive and state == SliceState.READY.value:
         found["trained_until"] = deleting
     return found
 
@@ -212,7 +215,7 @@ def _record_leftover(
     failing the attempt (or the teardown) over the ledger's note would cost more than the
     note is worth."""
     try:
-        beat = _last_beat(plan, attempt, time.time() if deleting is None else deleting)
+        beat = _last_beat(plan, attempt, time.time() if deleting is None else deleting, state)
         run_events(plan, attempt).emit(LEFTOVER_DELETED, name=plan.slice_name, state=state, **beat)
         return True
     except Exception as exc:  # see the docstring

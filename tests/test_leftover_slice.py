@@ -9,6 +9,7 @@ only to its last event. Now `leftover_deleted` names the attempt from the slice'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import sys
@@ -104,6 +105,27 @@ def test_the_deletion_records_the_killed_attempt_s_last_heartbeat(run):
     assert (left["beat_time"], left["beat_step"]) == (beat["time"], 42)
     # Beating within two of its intervals when the delete began: it trained until then.
     assert before <= left["trained_until"] <= left["time"]
+
+
+def test_a_fresh_heartbeat_of_a_workload_that_exited_says_when_it_was_written_only(run, tmp_path):
+    # Orchestrator and workload both killed, the rerun a few seconds later: the slice was
+    # TERMINATED, yet its beat, still fresh, had it training until the deletion (38 s
+    # lost where 0.1 s were, goodput 0.08 for 0.37: probe R, session 39).
+    from workloads.rundir import RunDir
+
+    config, plan, provider = run
+    provider.delete(plan.slice_name, grace_s=0)
+    exited = spec(plan, slice_labels(plan_run(config, "flow-a"), attempt=1), tmp_path)
+    provider.create(dataclasses.replace(exited, command=[sys.executable, "-c", "pass"]))
+    deadline = time.monotonic() + 30
+    while provider.status(plan.slice_name).state is not SliceState.TERMINATED:
+        assert time.monotonic() < deadline, "the workload did not exit"
+        time.sleep(0.05)
+    RunDir(plan.run_dir).write_status("training", attempt=1, step=42, beat_s=10.0)
+    training.provision_slice.fn(config, plan, "config.json", 2, "lease")
+    (left,) = leftovers(plan)
+    assert left["state"] == "TERMINATED"
+    assert left["beat_step"] == 42 and "trained_until" not in left
 
 
 def test_a_stale_or_finished_heartbeat_says_when_it_was_written_only(run):
