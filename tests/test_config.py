@@ -445,6 +445,32 @@ def test_a_wheel_uri_without_a_bucket_is_refused_naming_slice_wheel(tmp_path, ca
     assert "slice.wheel 'gs:///x.whl' names no bucket" in err and ":1:" in err
 
 
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("slice.wheel=gs://My_Bucket!/x.whl", "'My_Bucket!' is not a bucket name"),
+        ("slice.wheel=gs://bkt//../x.whl", "an empty, '.' or '..' part"),
+        ('slice.tpu_packages=["jax tpu"]', "entry 'jax tpu' is not a pip requirement"),
+        (
+            'slice.tpu_packages=["jax[tpu]==0.10.2", "libtpu==not-a-version"]',
+            "entry 'libtpu==not-a-version' is not a pip requirement",
+        ),
+    ],
+)
+def test_a_wheel_or_tpu_package_the_tpu_vm_cannot_install_is_refused(tmp_path, override, said):
+    # Both passed validation: the TPU VM's start-up script failed on them, once billed.
+    from tests.helpers import GCP_OVERRIDES, tiny_config
+
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tmp_path, *GCP_OVERRIDES, override)
+    assert said in str(err.value)
+    tiny_config(
+        tmp_path,
+        *GCP_OVERRIDES,
+        'slice.tpu_packages=["jax[tpu]==0.10.2", "x>=1; python_version>\'3\'"]',
+    )
+
+
 def test_a_run_made_before_format_auto_was_the_default_resumes_with_its_config(tmp_path):
     # Its config.json says format 'text', the default then; the same config file now
     # means 'auto', which reads .txt files as text: the same dataset, not another config.

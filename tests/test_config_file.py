@@ -283,7 +283,7 @@ def test_a_problem_mentioning_a_semicolon_stays_on_one_line(tmp_path):
     path = write(
         tmp_path,
         "slice: {provider: gcp, zone: us-west4-a, accelerator_type: v5litepod-8, "
-        "runtime_version: v2-alpha-tpuv5-lite, wheel: 'gs://b/w.whl'}\n"
+        "runtime_version: v2-alpha-tpuv5-lite, wheel: 'gs://bkt/w.whl'}\n"
         "cost: {priced_as: v5litepod-8, region: us-central1}\n",
     )
     with pytest.raises(ConfigError) as err:

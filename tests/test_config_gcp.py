@@ -90,7 +90,7 @@ def test_a_bad_zone_names_its_field_and_its_own_line(tmp_path):
         "    - europe-west4\n"
         "  accelerator_type: v5litepod-8\n"
         "  runtime_version: v2-alpha-tpuv5-lite\n"
-        "  wheel: gs://b/tpupipe-0-py3-none-any.whl\n"
+        "  wheel: gs://bkt/tpupipe-0-py3-none-any.whl\n"
     )
     with pytest.raises(ConfigError) as err:
         load_config(path)

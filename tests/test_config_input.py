@@ -137,7 +137,7 @@ def test_a_name_with_a_digit_of_another_script_is_refused(tmp_path, setting, fie
     # `\d` matches any Unicode digit: these passed validation, the TPU type was even
     # priced (int() reads the digit), and the API would have refused them after sharding.
     gcp = "slice: {provider: gcp, zone: us-west4-a, accelerator_type: v5litepod-8, "
-    gcp += "runtime_version: v2-alpha-tpuv5-lite, wheel: gs://b/w.whl}\n"
+    gcp += "runtime_version: v2-alpha-tpuv5-lite, wheel: gs://bkt/w.whl}\n"
     text = gcp if setting.startswith("slice.") else "seed: 0\n"
     with pytest.raises(ConfigError, match=field):
         load_config(write(tmp_path, text), [setting])

@@ -44,7 +44,7 @@ def gcp(capacity: str = "on-demand", zone: str = "us-east5-a", tpu: str = "v5p-8
                 "accelerator_type": tpu,
                 "zone": zone,
                 "runtime_version": "v2-alpha-tpuv5",
-                "wheel": "gs://b/tpupipe-0.1.0-py3-none-any.whl",
+                "wheel": "gs://bkt/tpupipe-0.1.0-py3-none-any.whl",
                 "capacity": capacity,
             },
             "train": {"batch_size": 16},

@@ -38,6 +38,8 @@ def test_long_run_names_never_share_a_slice_name(tmp_path):
         ("~/tpupipe", "~"),
         ("''", "empty"),
         ("'  '", "empty"),
+        ("' /data/x'", "begins or ends with whitespace"),  # ./ /data/x, silently
+        ("'/data/x '", "begins or ends with whitespace"),
         ("gs:/bucket/x", "local directory named 'gs:'"),  # one slash missing
         ("gs://Bad_Bucket!/x", "is not a bucket name"),  # a traceback from the client
         ("gs://bucket//x", "an empty, '.' or '..' part"),  # objects named "/x/..."

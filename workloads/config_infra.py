@@ -67,6 +67,9 @@ def place_problem(value: str, name: str, local_only: bool = False) -> str | None
     wanted = "a directory" if local_only else "a directory or gs://bucket/prefix"
     if not value.strip():
         return f"{name} is empty: give {wanted}"
+    if value != value.strip():
+        # ' /data' was the directory './ /data' under the working directory, silently.
+        return f"{name} {value!r} begins or ends with whitespace: give {wanted} without it"
     if local_only and "://" in value:
         return f"{name} {value!r} is not a directory on this machine: give {wanted}"
     if value.startswith("gs://") and not value[5:].split("/", 1)[0]:

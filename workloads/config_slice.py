@@ -233,4 +233,24 @@ class SliceConfig(_Strict):
             raise ValueError(f"slice.wheel {self.wheel!r} must be a gs://…/*.whl URI")
         if not self.wheel[5:].split("/", 1)[0]:
             raise ValueError(f"slice.wheel {self.wheel!r} names no bucket (gs://bucket/….whl)")
+        # Here, not at the top: config_infra imports this module.
+        from workloads.config_infra import gs_place_problem
+
+        if (problem := gs_place_problem(self.wheel)) is not None:
+            raise ValueError(f"slice.wheel {self.wheel!r}: {problem}")
+        if problems := [p for r in self.tpu_packages if (p := _requirement_problem(r))]:
+            raise ValueError("; ".join(problems))
         return self
+
+
+def _requirement_problem(requirement: str) -> str | None:
+    """What pip would refuse in one of `slice.tpu_packages`, or None. Such a typo failed
+    only on the TPU VM, in its start-up script, once the slice was billed (probe Z)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        Requirement(requirement)
+    except InvalidRequirement as exc:
+        first = str(exc).splitlines()[0]
+        return f"slice.tpu_packages entry {requirement!r} is not a pip requirement: {first}"
+    return None
