@@ -70,6 +70,7 @@ class TrainingProgress:
         self._phase: str | None = None
         self._step: int | None = None  # the step shown
         self._loss: float | None = None  # and its loss
+        self._heard: dict[str, Any] = {}  # the step and loss of the last heartbeat, shown or not
         self._failed = False
 
     def update(self, heartbeat: dict[str, Any] | None) -> float | None:
@@ -79,6 +80,8 @@ class TrainingProgress:
         if not heartbeat or self._failed:
             return None
         step = heartbeat.get("step")
+        if step is not None:
+            self._heard = {"step": step, "loss": heartbeat.get("loss")}
         step = self._step if step is None else step
         if step is None:
             return None
@@ -110,14 +113,17 @@ class TrainingProgress:
 
     def end(self, outcome: str, step: int | None = None) -> None:
         """Say how the attempt ended (`finished`, `preempted`, `failed`, `stopped`), at
-        `step` or the step shown, whatever the last heartbeat passed on said: a workload
+        `step` or the last heartbeat's step, whatever that heartbeat said: a workload
         killed outright leaves one that says "training", and a stopped orchestrator none.
-        Nothing before the bar exists (an attempt that never trained)."""
+        Not the step shown: the bar moves every few seconds at most, and a stopped run's
+        read "step 10 of 120 (stopped)" where it had saved step 47 (probe R). Nothing
+        before the bar exists (an attempt that never trained)."""
         if self.artifact_id is None or self._failed:
             return
+        heard = self._heard if step in (None, self._heard.get("step")) else {"step": step}
         # A new phase is always sent; said already (the watch passed on the workload's own
         # last heartbeat, "finished" at its step), nothing is.
-        self.update({"step": self._step if step is None else step, "phase": outcome})
+        self.update({"step": self._step, **heard, "phase": outcome})
 
     def describe(self, step: int, loss: float | None, phase: str | None) -> str:
         """The line under the bar: `step 40 of 100, loss 3.2104 (training)`."""

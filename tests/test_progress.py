@@ -213,7 +213,9 @@ def test_the_bar_ends_with_the_attempts_outcome_whatever_its_last_heartbeat_said
     bar.update({"step": 4, "loss": 5.0, "phase": "training"})
     bar.update({"step": 7, "loss": 4.5, "phase": "training"})  # held back: 60 s not passed
     bar.end("preempted")
-    assert fake.calls[-1] == ("update", 100 * 4 / 12, "step 4 of 12, loss 5.0000 (preempted)")
+    # At the last step heard, not the last shown: a stopped run's bar read "step 10 of
+    # 120 (stopped)" where it had saved step 47 (probe R, session 39).
+    assert fake.calls[-1] == ("update", 100 * 7 / 12, "step 7 of 12, loss 4.5000 (preempted)")
     bar.end("preempted")  # said already: not sent again
     bar.end("finished", 12)
     assert fake.calls[-1] == ("update", 100.0, "step 12 of 12 (finished)")
