@@ -142,7 +142,7 @@ def _validate(path: str, config, price) -> int:
     from tasks.run_lock import training_now
     from tasks.run_owner import check_run_owner
 
-    remote = [s for s in config.dataset.sources if "://" in s]
+    remote = [s for s in config.dataset.sources if s.startswith("gs://")]
     try:
         plan, files = check_inputs(config, plan_run(config), remote=False)
         check_run_owner(config, plan, remote=False)

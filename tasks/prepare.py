@@ -122,7 +122,9 @@ def check_inputs(
 def _resolve(dataset, out_root: str, remote: bool, owned: dict) -> tuple[list, str | None]:
     """The source files `check_inputs` sees, and the dataset's fingerprint when every
     source was listed (else None)."""
-    sources = [s for s in dataset.sources if remote or "://" not in s]
+    # file:// is this machine's: checked without cloud access too (validate called a
+    # missing one valid, "checked when the run starts": probe Z).
+    sources = [s for s in dataset.sources if remote or not s.startswith("gs://")]
     store = source_storage(sources)
     if sources == dataset.sources:  # all of them: the dataset this run would train on
         _, files, fingerprint = data.resolve_dataset(dataset, out_root, store, owned)

@@ -89,6 +89,24 @@ def test_validate_exits_2_for_a_source_scheme_the_run_cannot_read(tmp_path):
     assert "--set" in out.stderr and "http://" in out.stderr
 
 
+def test_validate_lists_file_uri_sources_as_local_ones(tmp_path, capsys):
+    # A missing file:// source was called valid ("1 remote source(s) checked when the run
+    # starts"): file:// is this machine's (probe Z, session 39).
+    from flows.cli import main as cli_main
+
+    (tmp_path / "a.txt").write_text("a document")
+    base = ["validate", "--config", str(REPO / "configs/tiny.yaml"), "--set"]
+    root = f"storage.root={tmp_path / 'root'}"
+    missing = f"dataset.sources=['file://{tmp_path}/missing.txt']"
+    assert cli_main([*base, missing, "--set", root]) == 2
+    assert f"dataset source 'file://{tmp_path}/missing.txt' matches no file" in (
+        capsys.readouterr().err
+    )
+    there = f"dataset.sources=['file://{tmp_path}/a.txt']"
+    assert cli_main([*base, there, "--set", root]) == 0
+    assert "sources: 1 local file(s)\n" in capsys.readouterr().out
+
+
 def test_load_config_still_reads_the_shipped_configs():
     for name in ("tiny", "demo", "v5e-8-spot"):
         load_config(REPO / "configs" / f"{name}.yaml")
