@@ -113,10 +113,27 @@ def test_an_attempt_whose_workload_never_starts_is_retried_on_the_failure_budget
     assert list((tmp_path / "slices").glob("*.json")) == []
 
 
+def watched_until_1080(beats, clock: FakeClock) -> list[str]:
+    """What the watch of attempt 2 logs of the heartbeats `beats(now)` gives, its slice
+    READY until 1080 s on `clock`, then TERMINATED with exit 0."""
+
+    class EndsAt1080:
+        def status(self, name: str) -> SliceStatus:
+            state = SliceState.TERMINATED if clock.now >= 1080 else SliceState.READY
+            return SliceStatus(name, state, 0 if clock.now >= 1080 else None)
+
+    lines: list[str] = []
+    run_dir = Heartbeats(beats)
+    run_dir.clock = clock
+    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
+    watch_slice(EndsAt1080(), "s", run_dir, settings, lines.append, None, clock, clock.sleep, 2)
+    return lines
+
+
 def test_checkpoints_the_workload_quarantined_are_logged_once_each():
     # A resume that quarantined a damaged checkpoint said so only in the slice's log and
     # QUARANTINED.txt: the console showed a resume from an older step without a reason.
-    clock, lines = FakeClock(), []
+    clock = FakeClock()
     bad = [{"step": 30, "reason": "does not restore: ValueError: cut"}]
 
     def beats(now):
@@ -128,15 +145,7 @@ def test_checkpoints_the_workload_quarantined_are_logged_once_each():
         return {"phase": "training", "attempt": 2, "time": now, "step": step,
                 "quarantined": bad + later}  # fmt: skip
 
-    class EndsAt1080:
-        def status(self, name: str) -> SliceStatus:
-            state = SliceState.TERMINATED if clock.now >= 1080 else SliceState.READY
-            return SliceStatus(name, state, 0 if clock.now >= 1080 else None)
-
-    run_dir = Heartbeats(beats)
-    run_dir.clock = clock
-    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
-    watch_slice(EndsAt1080(), "s", run_dir, settings, lines.append, None, clock, clock.sleep, 2)
+    lines = watched_until_1080(beats, clock)
     quarantines = [line for line in lines if "quarantined" in line]
     assert quarantines == [
         "checkpoint step 30 was quarantined, not resumed from: does not restore: ValueError: cut",
@@ -162,7 +171,7 @@ def test_the_step_an_attempt_trains_from_is_logged_once(start, bad, said):
     # The console said "step 50 loss None (compiling)" after a quarantine, and nothing
     # when every checkpoint was quarantined and the run trained again from step 0: where
     # a rerun resumed was in the slice's log alone (probe Y, session 39).
-    clock, lines = FakeClock(), []
+    clock = FakeClock()
     quarantined = [{"step": s, "reason": "cut"} for s in bad]
 
     def beats(now):
@@ -173,15 +182,7 @@ def test_the_step_an_attempt_trains_from_is_logged_once(start, bad, said):
                 "time": now, "step": start if now < 1050 else start + 1,
                 "resumed_from": start, "quarantined": quarantined}  # fmt: skip
 
-    class EndsAt1080:
-        def status(self, name: str) -> SliceStatus:
-            state = SliceState.TERMINATED if clock.now >= 1080 else SliceState.READY
-            return SliceStatus(name, state, 0 if clock.now >= 1080 else None)
-
-    run_dir = Heartbeats(beats)
-    run_dir.clock = clock
-    settings = WatchSettings(poll_s=10, heartbeat_timeout_s=600, confirm_s=30)
-    watch_slice(EndsAt1080(), "s", run_dir, settings, lines.append, None, clock, clock.sleep, 2)
+    lines = watched_until_1080(beats, clock)
     assert [line for line in lines if line.startswith(("resuming", "training from"))] == said
 
 
