@@ -345,3 +345,48 @@ def test_ui_run_form_of_train_shows_the_config_fields_and_their_descriptions(sta
         finally:
             shot = page.screenshot(SCREENSHOTS / "ui-train-run-form.png")
     assert "Submit" in text and shot.stat().st_size > 10_000
+
+
+def test_the_train_form_submitted_as_it_opens_leaves_the_size_to_fill_in_the_model(stack, tmp_path):
+    # The form sent the default model's dimensions beside the size, so a size picked in it
+    # was overridden: `model.size: small` trained the tiny model (probe X, session 39).
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    from workloads.config import PipelineConfig
+
+    binary = chromium_binary()
+    assert binary, "headless Chromium is missing: `make chromium` installs Debian's package"
+    pool = prefect_yaml()["definitions"]["work_pools"]["default"]["name"]
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name("tpu-training-pipeline/train")
+        of_train = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        before = {r.id for r in client.read_flow_runs(deployment_filter=of_train)}
+    stack.server.cli("work-pool", "pause", pool)  # the run is read, never trained
+    try:
+        with headless_chromium(tmp_path / "chromium-profile", binary) as page:
+            page.goto(f"{stack.server.url}/deployments/deployment/{deployment.id}/run")
+            page.wait_for_text("Submit", "D Model", timeout_s=90)
+            page.call(
+                "Runtime.evaluate",
+                expression="[...document.querySelectorAll('button')]"
+                ".find(b => b.innerText.trim() === 'Submit').click()",
+            )
+
+            def submitted():
+                with stack.client() as client:
+                    runs = client.read_flow_runs(deployment_filter=of_train)
+                return [r for r in runs if r.id not in before]
+
+            (run,) = wait_for(submitted, 60, "the form's flow run")
+        config = run.parameters["config"]
+        assert [config["model"].get(k) for k in ("d_model", "n_layers", "n_heads", "d_ff")] == [
+            None
+        ] * 4
+        assert PipelineConfig.model_validate(config).model_dump() == PipelineConfig().model_dump()
+        config["model"]["size"] = "small"  # what picking it in the form changes
+        assert PipelineConfig.model_validate(config).model.d_model == 512
+    finally:
+        with stack.client() as client:
+            for r in submitted() if "submitted" in locals() else []:
+                client.delete_flow_run(r.id)
+        stack.server.cli("work-pool", "resume", pool)
