@@ -68,7 +68,17 @@ def check_local_paths(config: PipelineConfig, plan: RunPlan) -> None:
     if "://" not in plan.run_dir:  # the deepest directory a local run makes
         places.append(({**root, "run_name": plan.run_name}, plan.run_dir, True))
     if config.slice.provider == "local":  # the local slices' registry
-        places.append((root, registry_dir(plan.slices_root), True))
+        registry = registry_dir(plan.slices_root)
+        if os.path.islink(registry):
+            # Shared with another root, it had each root take the other's live copy of a
+            # run name for its own, and delete it (probe Q).
+            raise ConfigError(
+                f"storage.root {config.storage.root!r}: {registry} is a symlink to "
+                f"{os.readlink(registry)}: the local slices' registry must be the root's "
+                "own directory (a registry two roots share has each delete the other's live "
+                "slices); make it one, or point storage.root itself at the other root"
+            )
+        places.append((root, registry, True))
     locks = str(locks_dir(plan))
     if "://" not in plan.storage_root:
         places.append((root, locks, True))

@@ -329,3 +329,20 @@ def test_a_write_ahead_log_left_without_its_database_is_refused(tmp_path):
     assert f"{path} does not exist, but its write-ahead log {path}.wal does" in str(err.value)
     (tmp_path / "m.duckdb.wal").unlink()
     check_local_paths(config, plan_run(config))
+
+
+def test_a_slices_registry_shared_with_another_root_is_refused(tmp_path, capsys):
+    # root-b/slices a symlink to root-a's: each root took the other's live copy of a run
+    # name for its own and deleted it, and both runs failed (probe Q, session 39). A whole
+    # root that is a symlink stays fine: it is the other root, its lock shared too.
+    (tmp_path / "root-a" / "slices").mkdir(parents=True)
+    (tmp_path / "root-b").mkdir()
+    (tmp_path / "root-b" / "slices").symlink_to(tmp_path / "root-a" / "slices")
+    (tmp_path / "root-c").symlink_to(tmp_path / "root-a")
+    base = ["validate", "--config", TINY, "--set"]
+    assert cli_main([*base, f"storage.root={tmp_path / 'root-b'}"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{tmp_path / 'root-b' / 'slices'} is a symlink to {tmp_path / 'root-a' / 'slices'}" in err
+    )
+    assert cli_main([*base, f"storage.root={tmp_path / 'root-c'}"]) == 0
