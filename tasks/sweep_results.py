@@ -236,8 +236,8 @@ def land_sweep(plan: SweepPlan, results: list[TrialResult], wait_s: float | None
     never = NOT_STARTED.model_dump(include={"status", "error", "flow_run_id"})
     if results and all(r.model_dump(include=never.keys()) == never for r in results):
         get_run_logger().warning(
-            "no trial of sweep %s started before it was stopped: the sweeps rows landed "
-            "before stay as they were",
+            "no trial of sweep %s started before it was stopped: no sweeps row landed (any "
+            "an earlier run of the sweep landed stays as it was)",
             plan.sweep_id,
         )
         return 0

@@ -455,6 +455,8 @@ def test_a_wheel_uri_without_a_bucket_is_refused_naming_slice_wheel(tmp_path, ca
             'slice.tpu_packages=["jax[tpu]==0.10.2", "libtpu==not-a-version"]',
             "entry 'libtpu==not-a-version' is not a pip requirement",
         ),
+        # One line of a requirements file each: this one ran into the next.
+        ('slice.tpu_packages=["pkg @ https://e.com/a.whl\\\\", "jax"]', "not one line of its own"),
     ],
 )
 def test_a_wheel_or_tpu_package_the_tpu_vm_cannot_install_is_refused(tmp_path, override, said):

@@ -368,7 +368,7 @@ def test_a_fifo_nothing_writes_to_is_an_empty_config_and_a_pipe_is_read(tmp_path
     reader = threading.Thread(target=load, daemon=True)
     reader.start()
     reader.join(20)
-    assert said == [f"{fifo}: the config is empty (only comments or blank lines)"]
+    assert said == [f"{fifo}: a FIFO with no writer when it was read: nothing to read"]
 
     read, written = os.pipe()
     os.write(written, BASE.encode())

@@ -91,3 +91,15 @@ def test_a_size_picked_for_the_base_in_the_sweep_form_reaches_every_trial():
     config["space"] = {"grid": {"seed": [1, 2]}}
     trials = build_trials(SweepConfig.model_validate(submitted(sweep, config)), "sw")
     assert [dims(t.config.model) for t in trials] == [MODEL_SIZES["small"]] * 2
+
+
+def test_a_filled_in_field_set_to_none_in_python_is_filled_in_again():
+    # Assigned None after validation, it stayed None, and a sweep built on the config
+    # failed with a TypeError (probe P, session 39).
+    cfg = PipelineConfig()
+    cfg.model.size = "small"
+    cfg.model.d_model = None
+    cfg.slice.devices = None
+    assert (cfg.model.d_model, cfg.slice.devices) == (512, 8)
+    trials = build_trials(SweepConfig(base=cfg, space={"grid": {"seed": [1]}}), "sw")
+    assert (trials[0].config.model.d_model, trials[0].config.slice.devices) == (512, 8)

@@ -107,6 +107,13 @@ def test_validate_lists_file_uri_sources_as_local_ones(tmp_path, capsys):
     assert "sources: 1 local file(s)\n" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["' /m.duckdb'", "'m.duckdb '", "'m.duckdb\t'"])
+def test_a_metrics_path_with_whitespace_around_it_is_refused(tmp_path, value):
+    # ' /x/m.duckdb' landed the run's rows in ./ /x/m.duckdb (probe P, session 39).
+    with pytest.raises(ConfigError, match=r"metrics\.path .* begins or ends with whitespace"):
+        tiny_config(tmp_path, f"metrics.path={value}")
+
+
 def test_load_config_still_reads_the_shipped_configs():
     for name in ("tiny", "demo", "v5e-8-spot"):
         load_config(REPO / "configs" / f"{name}.yaml")

@@ -59,6 +59,8 @@ def _read_bounded(source: str) -> bytes:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from exc
+    if not raw and stat.S_ISFIFO(kind):
+        raise ConfigError(f"{source}: a FIFO with no writer when it was read: nothing to read")
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source}: over {MAX_CONFIG_BYTES // 2**20} MiB: not a config file")
     return raw

@@ -170,6 +170,11 @@ class MetricsConfig(_Strict):
                 "metrics.path is empty: give a DuckDB file's path, or leave it out for "
                 "metrics.duckdb under the storage root"
             )
+        if value != value.strip():  # ' /m.duckdb' landed in ./ /m.duckdb (probe P)
+            raise ValueError(
+                f"metrics.path {value!r} begins or ends with whitespace: give the file's path "
+                "without it"
+            )
         if "://" in value or value.lower().startswith("gs:"):
             raise ValueError(
                 f"metrics.path {value!r} is not a file on this machine: DuckDB metrics are a "

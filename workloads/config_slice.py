@@ -248,9 +248,16 @@ def _requirement_problem(requirement: str) -> str | None:
     only on the TPU VM, in its start-up script, once the slice was billed (probe Z)."""
     from packaging.requirements import InvalidRequirement, Requirement
 
+    if requirement.rstrip().endswith("\\") or "\n" in requirement or "\r" in requirement:
+        # Entries are lines of one requirements file: this one would run into the next.
+        return f"slice.tpu_packages entry {requirement!r} is not one line of its own"
     try:
         Requirement(requirement)
     except InvalidRequirement as exc:
         first = str(exc).splitlines()[0]
-        return f"slice.tpu_packages entry {requirement!r} is not a pip requirement: {first}"
+        return (
+            f"slice.tpu_packages entry {requirement!r} is not a pip requirement: {first} "
+            "(a wheel or repository by URL is written 'name @ url'; pip options are not "
+            "taken)"
+        )
     return None

@@ -51,6 +51,16 @@ class StrictModel(BaseModel):
         given = {k: v for k, v in data.items() if not (k in cls.FILLED_IN and v is None)}
         return {**cls.filled_in(given), **given}
 
+    @model_validator(mode="after")
+    def _filled_again(self) -> Any:
+        # An assignment (`cfg.model.d_model = None`) skips the fill-in above: None stayed,
+        # and a sweep built on it failed with a TypeError (probe P). Filled in here too.
+        if empty := [k for k in self.FILLED_IN if getattr(self, k) is None]:
+            filled = self.filled_in(dict(self.__dict__))
+            for name in empty:
+                self.__dict__[name] = filled[name]
+        return self
+
     @field_validator("*", mode="after")
     @classmethod
     def _fits_64_bits(cls, value: Any) -> Any:
