@@ -22,6 +22,7 @@ from infra.slices import (
     SliceState,
     build_provider,
 )
+from tests.helpers import REPO, processes_mentioning
 
 
 def _wait_for(predicate, timeout_s: float = 10.0):
@@ -371,3 +372,31 @@ def test_the_host_whose_exit_ended_the_slice_is_known(codes, host):
     from infra.slices.procs import HostGroup
 
     assert HostGroup([_Exited(c) for c in codes]).cause_host() == host
+
+
+def test_a_creator_killed_before_it_records_its_slice_leaves_no_workload_running(tmp_path):
+    # SIGKILLed between the fork and the record (signals_held cannot hold SIGKILL back),
+    # the orchestrator left a workload training that no record named: no reaper, teardown
+    # or rerun could find it (probe Q, session 39). Its hosts now wait behind a gate.
+    marker = tmp_path / "ran"
+    workload = (
+        f"import pathlib, time; pathlib.Path({str(marker)!r}).write_text('ran'); time.sleep(60)"
+    )
+    creator = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from infra.slices import LocalSliceProvider, SliceSpec
+        provider = LocalSliceProvider({str(tmp_path / "registry")!r})
+        provider._write_record = lambda record: os.kill(os.getpid(), signal.SIGKILL)
+        provider.create(SliceSpec(name="cut", devices=2, hosts=2, log_path={str(tmp_path / "l")!r},
+                                  command=[sys.executable, "-c", {workload!r}]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", creator], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == -9
+    time.sleep(3)  # time enough for a host to have started its command
+    assert not marker.exists()
+    assert processes_mentioning(str(marker)) == []

@@ -30,6 +30,7 @@ from infra.slices.base import (
     validate_name,
 )
 from infra.slices.chaos import ChaosMonkey
+from infra.slices.gate import Gate
 from infra.slices.held_signals import signals_held
 from infra.slices.procs import (
     HostGroup,
@@ -97,12 +98,15 @@ class LocalSliceProvider:
             # From the first fork to the record, the stop signals wait (see held_signals:
             # a pid can be lost between bytecodes), and any other error kills and reaps
             # every process started so far before it goes on.
+            gate = Gate()  # the hosts run the command only once recorded
             with signals_held():
                 try:
-                    proc = start_hosts(spec, started)
+                    proc = start_hosts(spec, started, gate)
                     record = self._record(spec, proc, log_path)
                     self._write_record(record)
+                    gate.open()
                 except BaseException:
+                    gate.close()
                     kill_started(started)
                     raise
                 with self._lock:

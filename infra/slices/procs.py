@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 from infra.slices.allocator import allocator_env
 from infra.slices.base import ProvisioningError, SliceError, SliceSpec
+from infra.slices.gate import Gate
 
 _POLL_S = 0.02
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -233,33 +235,25 @@ LOG_START = "--- tpupipe: workload started on slice"
 _TRANSIENT_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
-def start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
-    """One process per host, all in one new process group so a delete kills them all.
+def start_hosts(spec: SliceSpec, started: list[subprocess.Popen], gate: Gate) -> HostGroup:
+    """One process per host, all in one new process group so a delete kills them all,
+    each waiting behind `gate` until the caller has recorded them (`infra.slices.gate`).
 
     Each process is appended to `started` as soon as it runs, for the caller to kill
     if the slice cannot be recorded.
     """
     coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
     try:
+        # The gate's shell would find a missing program only once let through (exit 127):
+        # refused here, as Popen refused it before, the run fails at once, not retried.
+        if shutil.which(spec.command[0], path=workload_env(spec, 0, None).get("PATH")) is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), spec.command[0])
         for host in range(spec.hosts):
-            # Append: a re-provisioned attempt keeps the log of the one before it.
-            with open(host_log_path(spec.log_path, host), "ab") as log:
-                stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                # After a newline: the last attempt's log may end mid-line (killed).
-                log.write(f"\n{LOG_START} {spec.name}, host {host}, {stamp} ---\n".encode())
-                log.flush()  # before the workload's own writes to the same file
-                started.append(
-                    subprocess.Popen(
-                        spec.command,
-                        # Host 0 leads a new process group and the others join it
-                        # (a group in another session could not be joined).
-                        process_group=started[0].pid if started else 0,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=workload_env(spec, host, coordinator),
-                    )
-                )
+            command, stdin = gate.gated(spec.command)
+            try:
+                _start_host(spec, host, command, stdin, started, coordinator)
+            finally:
+                os.close(stdin)  # the host holds its own copy
     except OSError as e:
         # Out of processes or memory may pass: retried like a create without capacity.
         # A missing program or an unwritable log stays so: retrying it only made the
@@ -267,6 +261,34 @@ def start_hosts(spec: SliceSpec, started: list[subprocess.Popen]) -> HostGroup:
         kind = ProvisioningError if e.errno in _TRANSIENT_START_ERRORS else SliceError
         raise kind(f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}") from e
     return HostGroup(list(started))
+
+
+def _start_host(
+    spec: SliceSpec,
+    host: int,
+    command: list[str],
+    stdin: int,
+    started: list[subprocess.Popen],
+    coordinator: str | None,
+) -> None:
+    # Append: a re-provisioned attempt keeps the log of the one before it.
+    with open(host_log_path(spec.log_path, host), "ab") as log:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        # After a newline: the last attempt's log may end mid-line (killed).
+        log.write(f"\n{LOG_START} {spec.name}, host {host}, {stamp} ---\n".encode())
+        log.flush()  # before the workload's own writes to the same file
+        started.append(
+            subprocess.Popen(
+                command,
+                # Host 0 leads a new process group and the others join it (a group in
+                # another session could not be joined).
+                process_group=started[0].pid if started else 0,
+                stdin=stdin,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=workload_env(spec, host, coordinator),
+            )
+        )
 
 
 def kill_started(procs: list[subprocess.Popen]) -> None:
