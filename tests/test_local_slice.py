@@ -400,3 +400,36 @@ def test_a_creator_killed_before_it_records_its_slice_leaves_no_workload_running
     time.sleep(3)  # time enough for a host to have started its command
     assert not marker.exists()
     assert processes_mentioning(str(marker)) == []
+
+
+def test_a_slice_recorded_in_another_pid_namespace_is_neither_judged_nor_signalled(tmp_path):
+    # A reaper in a container sharing the root saw a live slice's pids as gone: it dropped
+    # the record (the workload trained on, unrecorded) and signalled whatever held that
+    # pgid in its own namespace (probe Q, session 39). Here this process stands in for a
+    # process there: it must survive, and the slice must stay.
+    from infra.slices.procs import process_space
+
+    registry = tmp_path / "registry"
+    registry.mkdir()
+    boot, ns = process_space().split("/")
+    record = {
+        "name": "theirs", "pid": os.getpid(), "pids": [os.getpid()], "pgid": os.getpgid(0),
+        "start_ticks": "1", "labels": {}, "devices": 1, "hosts": 1, "command": ["x"],
+        "created_at": "2026-11-28T00:00:00+00:00", "owner_pid": os.getpid(),
+        "owner_start_ticks": "1", "log_path": str(tmp_path / "l"),
+        "space": f"{boot}/pid:[1]",  # this boot, another PID namespace
+    }  # fmt: skip
+    (registry / "theirs.json").write_text(json.dumps(record))
+    provider = LocalSliceProvider(registry)
+    assert provider.status("theirs").state is SliceState.READY  # not seen: never "over"
+    assert provider.owner_gone("theirs") is False
+    with pytest.raises(SliceError, match="another PID namespace"):
+        provider.delete("theirs", grace_s=0)
+    assert (registry / "theirs.json").exists()
+    # Written before this boot: nothing of it runs, and its pgid is someone else's now.
+    record["space"] = f"another-boot/{ns}"
+    (registry / "theirs.json").write_text(json.dumps(record))
+    assert provider.status("theirs").state is SliceState.TERMINATED
+    assert provider.owner_gone("theirs") is True
+    assert provider.delete("theirs", grace_s=0) is True  # the record only: no signal sent
+    assert not (registry / "theirs.json").exists()

@@ -39,6 +39,8 @@ from infra.slices.procs import (
     is_our_group,
     kill_started,
     live_members,
+    process_space,
+    seen_from_elsewhere,
     signal_group,
     start_hosts,
     start_ticks,
@@ -133,6 +135,7 @@ class LocalSliceProvider:
             # orchestrator) when no flow run state says otherwise.
             "owner_pid": os.getpid(),
             "owner_start_ticks": start_ticks(os.getpid()),
+            "space": process_space(),  # where these pids mean these processes
             "log_path": str(log_path),
         }
 
@@ -189,6 +192,8 @@ class LocalSliceProvider:
         record = self._read_record(validate_name(name))
         if record is None or "owner_pid" not in record:
             return False
+        if (elsewhere := seen_from_elsewhere(record)) is not None:
+            return elsewhere == "boot"  # another namespace's owner cannot be seen from here
         ticks = start_ticks(record["owner_pid"])
         return ticks is None or ticks != record.get("owner_start_ticks")
 
@@ -273,6 +278,14 @@ class LocalSliceProvider:
         name: str, record: dict[str, Any], proc: HostGroup | None, grace_s: float
     ) -> None:
         pgid = record["pgid"]
+        if (elsewhere := seen_from_elsewhere(record)) == "boot":
+            return  # the machine booted since: nothing of the group runs
+        if elsewhere == "namespace":
+            raise SliceError(
+                f"slice {name!r} was created in another PID namespace (a container, or "
+                "another host sharing this storage root): its processes cannot be seen or "
+                "signalled from here; delete it from where it was created"
+            )
         if not is_our_group(record):
             return  # the pid now belongs to someone else: our group ended long ago
         signal_group(pgid, signal.SIGTERM)
@@ -292,5 +305,9 @@ class LocalSliceProvider:
         if proc is not None:
             code = proc.poll()
             return (SliceState.READY, None) if code is None else (SliceState.TERMINATED, code)
+        if (elsewhere := seen_from_elsewhere(record)) is not None:
+            # Another namespace's slice cannot be seen: taken as running, never as over.
+            state = SliceState.READY if elsewhere == "namespace" else SliceState.TERMINATED
+            return state, None
         alive = is_our_group(record) and group_alive(record["pgid"])
         return (SliceState.READY, None) if alive else (SliceState.TERMINATED, None)

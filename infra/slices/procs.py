@@ -7,6 +7,7 @@ waited for that would hang. Containers whose PID 1 never reaps orphans make this
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pwd
@@ -139,6 +140,29 @@ def group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):  # gone, or another user's reused id
         return False
     return True
+
+
+def process_space() -> str:
+    """This machine's boot and this process's PID namespace, '<boot id>/<pid ns>': where a
+    record's pids name the processes they named when it was written ('' parts unknown)."""
+    boot = ns = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with contextlib.suppress(OSError):
+        ns = os.readlink("/proc/self/ns/pid")
+    return f"{boot}/{ns}"
+
+
+def seen_from_elsewhere(record: dict[str, Any]) -> str | None:
+    """None if the record's pids can be read from here; "boot" if the machine has booted
+    since it was written (none of its processes runs), "namespace" if it was written in
+    another PID namespace (a container, another host sharing the root): its pids name
+    other processes here, or none. Read from such a namespace, a live slice looked gone
+    and the reaper dropped its record, signalling whatever held its pgid here (probe Q)."""
+    theirs, ours = record.get("space"), process_space()
+    if not theirs or theirs == ours:
+        return None
+    return "boot" if theirs.split("/")[0] != ours.split("/")[0] else "namespace"
 
 
 def is_our_group(record: dict[str, Any]) -> bool:
