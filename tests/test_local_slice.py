@@ -433,3 +433,27 @@ def test_a_slice_recorded_in_another_pid_namespace_is_neither_judged_nor_signall
     assert provider.owner_gone("theirs") is True
     assert provider.delete("theirs", grace_s=0) is True  # the record only: no signal sent
     assert not (registry / "theirs.json").exists()
+
+
+def test_a_program_that_is_not_executable_is_refused_as_exec_refuses_it(provider, tmp_path):
+    # Behind the gate, it was said to be missing: 'No such file or directory' for a file
+    # that is there (probe G, session 39).
+    script = tmp_path / "train.sh"
+    script.write_text("echo hi\n")  # mode 644
+    spec = SliceSpec(name="noexec", devices=1, command=[str(script)], log_path=str(tmp_path / "l"))
+    with pytest.raises(SliceError, match=r"\[Errno 13\] Permission denied: .*train\.sh"):
+        provider.create(spec)
+
+
+def test_a_host_dead_before_its_gate_opens_is_an_ended_host_not_a_failed_create():
+    # Killed between its record and the gate's opening (an OOM kill), its closed pipe
+    # made the create raise a bare BrokenPipeError and left a record behind (probe G).
+    from infra.slices.gate import Gate
+
+    gate = Gate()
+    _, dead = gate.gated(["true"])
+    _, alive = gate.gated(["true"])
+    os.close(dead)  # the dead host's end
+    gate.open()
+    assert os.read(alive, 10) == b"g\n"
+    os.close(alive)

@@ -268,10 +268,7 @@ def start_hosts(spec: SliceSpec, started: list[subprocess.Popen], gate: Gate) ->
     """
     coordinator = f"127.0.0.1:{free_port()}" if spec.hosts > 1 else None
     try:
-        # The gate's shell would find a missing program only once let through (exit 127):
-        # refused here, as Popen refused it before, the run fails at once, not retried.
-        if shutil.which(spec.command[0], path=workload_env(spec, 0, None).get("PATH")) is None:
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), spec.command[0])
+        _runnable(spec.command[0], workload_env(spec, 0, None).get("PATH"))
         for host in range(spec.hosts):
             command, stdin = gate.gated(spec.command)
             try:
@@ -285,6 +282,17 @@ def start_hosts(spec: SliceSpec, started: list[subprocess.Popen], gate: Gate) ->
         kind = ProvisioningError if e.errno in _TRANSIENT_START_ERRORS else SliceError
         raise kind(f"slice {spec.name!r}: cannot start {spec.command[0]!r}: {e}") from e
     return HostGroup(list(started))
+
+
+def _runnable(program: str, path: str | None) -> None:
+    """Raise the OSError exec would for `program`, as Popen raised it before the gate: the
+    gate's shell finds a missing program only once let through (exit 127), and a run
+    should fail at once on it, not be retried. (A script whose interpreter is missing is
+    still found out only then.)"""
+    if shutil.which(program, path=path) is not None:
+        return
+    code = errno.EACCES if os.sep in program and os.path.exists(program) else errno.ENOENT
+    raise OSError(code, os.strerror(code), program)
 
 
 def _start_host(
