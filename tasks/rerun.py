@@ -138,8 +138,7 @@ def same_records_result(plan: RunPlan, result: ShardResult, say: bool = True) ->
     if say:
         log.info(
             "run %s: its sources' modification times changed (or the paths naming them), not "
-            "their content (dataset %s "
-            "has the same shards): it goes on over %s",
+            "their content (dataset %s has the same shards): it goes on over %s",
             plan.run_name,
             result.dataset_dir,
             trained,
@@ -268,8 +267,9 @@ def _changes(dataset_dir: str, files: list[SourceFile], most: int = 3) -> str:
         ("modified, same size", [u for u in kept if now[u][0] == before[u][0]]),
     ]
     reordered = before.keys() == now.keys() and list(before) != list(now)
-    if any(uris for _, uris in found[:3]) or reordered:  # refused for those: these were
-        found[3] = ("rewritten, same size (perhaps the same bytes)", found[3][1])  # not compared
+    if any(uris for _, uris in found[:3]) or reordered:
+        # Refused for those: these were not compared.
+        found[3] = ("rewritten, same size (perhaps the same bytes)", found[3][1])
     said = [
         f"{how}: {', '.join(uris[:most])}{' …' * (len(uris) > most)}" for how, uris in found if uris
     ]

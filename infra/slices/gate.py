@@ -21,7 +21,7 @@ GATE_CLOSED = 70
 # $0 names the gate in `ps`; "$@" is the command, run with stdin from /dev/null as before.
 # The shell's own `read`, not `head`: a child process of the gate killed with it stayed a
 # zombie where PID 1 reaps no orphans, and kept the slice's process group alive.
-_SCRIPT = 'read -r go && [ "$go" = g ] || exit 70; exec "$@" </dev/null'
+_SCRIPT = f'read -r go && [ "$go" = g ] || exit {GATE_CLOSED}; exec "$@" </dev/null'
 
 
 class Gate:

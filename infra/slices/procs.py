@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import pwd
 import shutil
@@ -142,6 +143,7 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+@functools.cache  # read once: asked on every status read, and fixed for the process
 def process_space() -> str:
     """This machine's boot and this process's PID namespace, '<boot id>/<pid ns>': where a
     record's pids name the processes they named when it was written ('' parts unknown)."""
